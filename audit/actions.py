@@ -1,0 +1,20 @@
+"""Audit action names: one dotted constant per kind of recorded change."""
+
+WORKER_CREATED = "worker.created"
+WORKER_DELETED = "worker.deleted"
+WORKER_REGISTERED = "worker.registered"
+WORKER_REGISTRATION_FAILED = "worker.registration_failed"
+WORKER_STATUS_CHANGED = "worker.status_changed"
+WORKER_DRAIN_REQUESTED = "worker.drain_requested"
+WORKER_DISCONNECTED = "worker.disconnected"
+WORKER_TOKEN_ROTATED = "worker.token_rotated"
+WORKER_STREAM_REFUSED = "worker.stream_refused"
+
+API_TOKEN_CREATED = "api_token.created"
+
+JOB_SUBMITTED = "job.submitted"
+JOB_DISPATCHED = "job.dispatched"
+JOB_STATUS_CHANGED = "job.status_changed"
+JOB_CANCEL_REQUESTED = "job.cancel_requested"
+JOB_REQUEUED = "job.requeued"
+JOB_REPORT_REFUSED = "job.report_refused"

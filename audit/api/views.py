@@ -1,0 +1,56 @@
+"""Read-only audit log API for users with the audit view permission."""
+
+from django.utils.dateparse import parse_datetime
+from rest_framework import permissions, serializers
+from rest_framework.generics import ListAPIView
+
+from simpletuner_site.errors import InvalidInput
+
+from ..models import AuditEvent
+
+
+class CanViewAudit(permissions.BasePermission):
+    message = "You need the audit.view_auditevent permission"
+
+    def has_permission(self, request, view):
+        user = request.user
+        return bool(user and user.is_authenticated and user.has_perm("audit.view_auditevent"))
+
+
+class AuditEventSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = AuditEvent
+        fields = [
+            "id", "created_at", "actor_type", "actor_id", "actor_name", "action",
+            "target_type", "target_id", "details", "client_ip", "success",
+        ]
+
+
+class AuditEventListView(ListAPIView):
+    """Filters: action (prefix match with a trailing '.', e.g. ``job.``), actor_type, actor_id,
+    target_type, target_id, success (true/false), since/until (ISO 8601)."""
+
+    serializer_class = AuditEventSerializer
+    permission_classes = [CanViewAudit]
+
+    def get_queryset(self):
+        params = self.request.query_params
+        events = AuditEvent.objects.all()
+        action = params.get("action")
+        if action:
+            events = events.filter(action__startswith=action) if action.endswith(".") else events.filter(action=action)
+        for field in ("actor_type", "actor_id", "target_type", "target_id"):
+            if params.get(field):
+                events = events.filter(**{field: params[field]})
+        if params.get("success") is not None:
+            value = params["success"].lower()
+            if value not in {"true", "false"}:
+                raise InvalidInput("success must be true or false", code="invalid_filter")
+            events = events.filter(success=value == "true")
+        for field, lookup in (("since", "created_at__gte"), ("until", "created_at__lt")):
+            if params.get(field):
+                moment = parse_datetime(params[field])
+                if moment is None:
+                    raise InvalidInput(f"{field} must be an ISO 8601 date-time", code="invalid_filter")
+                events = events.filter(**{lookup: moment})
+        return events

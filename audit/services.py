@@ -1,0 +1,46 @@
+"""Writing audit rows. Call inside the transaction of the change being recorded."""
+
+from dataclasses import dataclass
+
+from .models import ActorType, AuditEvent
+
+
+@dataclass(frozen=True)
+class Actor:
+    """Who performed an action: a user, a worker, or the system itself (sweeps, commands)."""
+
+    type: str
+    id: str = ""
+    name: str = ""
+    ip: str | None = None
+
+    @classmethod
+    def for_user(cls, user, ip=None):
+        return cls(ActorType.USER, str(user.pk), user.get_username(), ip)
+
+    @classmethod
+    def for_worker(cls, worker, ip=None):
+        return cls(ActorType.WORKER, worker.pk, worker.name, ip)
+
+    @classmethod
+    def system(cls, name="system"):
+        return cls(ActorType.SYSTEM, "", name, None)
+
+    @property
+    def user_id(self):
+        return int(self.id) if self.type == ActorType.USER and self.id else None
+
+
+def audit_record(*, actor, action, target_type="", target_id="", details=None, success=True):
+    """Append one audit row for ``action`` by ``actor`` on ``target_type:target_id``; return it."""
+    return AuditEvent.objects.create(
+        actor_type=actor.type,
+        actor_id=actor.id,
+        actor_name=actor.name,
+        action=action,
+        target_type=target_type,
+        target_id=str(target_id or ""),
+        details=details or {},
+        client_ip=actor.ip,
+        success=success,
+    )

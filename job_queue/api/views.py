@@ -1,0 +1,61 @@
+"""Queue endpoints for operators: submit, list, inspect, cancel."""
+
+from rest_framework import status
+from rest_framework.generics import ListAPIView
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from audit.services import Actor
+from simpletuner_site.api import client_ip
+from simpletuner_site.errors import InvalidInput, NotFound
+
+from .. import services
+from ..models import Job, JobStatus
+from .serializers import JobDetailSerializer, JobSerializer, JobSubmitSerializer
+
+
+def _actor(request):
+    return Actor.for_user(request.user, client_ip(request))
+
+
+class JobSubmitView(APIView):
+    def post(self, request):
+        serializer = JobSubmitSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        job, dispatched = services.job_submit(**serializer.validated_data, actor=_actor(request))
+        body = JobSerializer(job, context={"with_reason": True}).data
+        body["dispatched"] = dispatched
+        body["job_id"] = job.pk
+        return Response(body, status=status.HTTP_201_CREATED)
+
+
+class JobListView(ListAPIView):
+    serializer_class = JobSerializer
+
+    def get_queryset(self):
+        jobs = Job.objects.select_related("submitted_by")
+        wanted = self.request.query_params.get("status")
+        if wanted:
+            statuses = wanted.split(",")
+            unknown = set(statuses) - set(JobStatus.values)
+            if unknown:
+                raise InvalidInput(f"unknown status {', '.join(sorted(unknown))}", code="invalid_filter")
+            jobs = jobs.filter(status__in=statuses)
+        worker = self.request.query_params.get("worker")
+        if worker:
+            jobs = jobs.filter(worker_id=worker)
+        return jobs
+
+
+class JobDetailView(APIView):
+    def get(self, request, job_id):
+        job = Job.objects.select_related("submitted_by").prefetch_related("attempts").filter(pk=job_id).first()
+        if job is None:
+            raise NotFound(f"job {job_id} does not exist")
+        return Response(JobDetailSerializer(job, context={"with_reason": True}).data)
+
+
+class JobCancelView(APIView):
+    def post(self, request, job_id):
+        job = services.job_cancel(job_id=job_id, actor=_actor(request))
+        return Response(JobSerializer(job).data)

@@ -1,0 +1,150 @@
+"""Training jobs, their dispatch attempts, and the matching rules between jobs and workers."""
+
+import fnmatch
+import secrets
+
+from django.conf import settings
+from django.db import models
+
+
+def new_job_id():
+    return "j_" + secrets.token_hex(8)
+
+
+def new_lease_id():
+    return "a_" + secrets.token_hex(8)
+
+
+class JobTarget(models.TextChoices):
+    WORKER = "worker", "Remote worker"
+    LOCAL = "local", "Orchestrator's own machine"
+    AUTO = "auto", "Worker if available, else local"
+
+
+class JobStatus(models.TextChoices):
+    QUEUED = "queued", "Queued"
+    DISPATCHED = "dispatched", "Dispatched"
+    RUNNING = "running", "Running"
+    COMPLETED = "completed", "Completed"
+    FAILED = "failed", "Failed"
+    CANCELLED = "cancelled", "Cancelled"
+
+
+JOB_ACTIVE = frozenset({JobStatus.DISPATCHED, JobStatus.RUNNING})
+JOB_TERMINAL = frozenset({JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED})
+
+# Allowed transitions: target -> statuses it may be entered from.
+JOB_TRANSITIONS = {
+    JobStatus.DISPATCHED: frozenset({JobStatus.QUEUED}),
+    JobStatus.RUNNING: frozenset({JobStatus.DISPATCHED}),
+    # Back to the queue: the attempt was lost (worker gone, dispatch never acknowledged).
+    JobStatus.QUEUED: frozenset({JobStatus.DISPATCHED, JobStatus.RUNNING}),
+    JobStatus.COMPLETED: frozenset({JobStatus.DISPATCHED, JobStatus.RUNNING}),
+    JobStatus.FAILED: frozenset({JobStatus.QUEUED, JobStatus.DISPATCHED, JobStatus.RUNNING}),
+    JobStatus.CANCELLED: frozenset({JobStatus.QUEUED, JobStatus.DISPATCHED, JobStatus.RUNNING}),
+}
+
+# What a worker may report on /api/workers/job/{id}/status, and what it means for the job.
+REPORTED_STATUS = {
+    "starting": JobStatus.RUNNING,
+    "training": JobStatus.RUNNING,
+    "running": JobStatus.RUNNING,
+    "completed": JobStatus.COMPLETED,
+    "failed": JobStatus.FAILED,
+    "cancelled": JobStatus.CANCELLED,
+}
+
+
+class Job(models.Model):
+    id = models.CharField(primary_key=True, max_length=32, default=new_job_id, editable=False)
+    config_name = models.CharField(max_length=255)
+    config = models.JSONField(default=dict, blank=True)
+    dataloader = models.JSONField(null=True, blank=True)
+    target = models.CharField(max_length=8, choices=JobTarget.choices, default=JobTarget.WORKER)
+    worker_labels = models.JSONField(default=dict, blank=True, help_text="Label -> glob pattern, all must match.")
+    gpu_count = models.PositiveIntegerField(default=0, help_text="GPUs required; 0 means any worker.")
+    priority = models.IntegerField(default=0, help_text="Higher runs first; ties run first-in first-out.")
+    status = models.CharField(max_length=16, choices=JobStatus.choices, default=JobStatus.QUEUED, db_index=True)
+
+    attempt_count = models.PositiveIntegerField(default=0, help_text="Dispatches so far.")
+    retry_count = models.PositiveIntegerField(default=0, help_text="Retries spent on lost or failed attempts.")
+    max_retries = models.PositiveIntegerField(default=3)
+    retry_on_failure = models.BooleanField(
+        default=False, help_text="Also retry when the trainer itself fails (not only when its worker is lost)."
+    )
+    lease_id = models.CharField(max_length=40, null=True, blank=True, help_text="Current attempt's lease.")
+
+    worker = models.ForeignKey(
+        "workers.Worker", null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs"
+    )
+    worker_name = models.CharField(max_length=128, blank=True, default="", help_text="Kept after worker deletion.")
+    progress = models.JSONField(default=dict, blank=True)
+    last_error = models.TextField(blank=True, default="")
+    exit_code = models.IntegerField(null=True, blank=True)
+    log_tail = models.TextField(blank=True, default="", help_text="Last lines of the trainer's output.")
+
+    submitted_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    dispatched_at = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    submitted_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+
+    class Meta:
+        ordering = ["-submitted_at"]
+        indexes = [
+            models.Index(fields=["status", "-priority", "submitted_at"], name="job_dispatch_order"),
+        ]
+
+    def __str__(self):
+        return f"{self.config_name} ({self.id})"
+
+    @property
+    def retries_left(self):
+        return max(self.max_retries - self.retry_count, 0)
+
+
+class AttemptOutcome(models.TextChoices):
+    PENDING = "", "In progress"
+    COMPLETED = "completed", "Completed"
+    FAILED = "failed", "Failed"
+    CANCELLED = "cancelled", "Cancelled"
+    LOST = "lost", "Worker lost"
+    UNACKNOWLEDGED = "unacknowledged", "Dispatch not acknowledged"
+
+
+class JobAttempt(models.Model):
+    """One dispatch of a job to a worker, fenced by its lease id."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="attempts")
+    number = models.PositiveIntegerField()
+    lease_id = models.CharField(max_length=40, unique=True)
+    worker = models.ForeignKey("workers.Worker", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    worker_name = models.CharField(max_length=128, blank=True, default="")
+    dispatched_at = models.DateTimeField()
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    outcome = models.CharField(max_length=16, choices=AttemptOutcome.choices, blank=True, default="")
+    error = models.TextField(blank=True, default="")
+
+    class Meta:
+        ordering = ["job", "number"]
+        constraints = [models.UniqueConstraint(fields=["job", "number"], name="attempt_number_unique")]
+
+
+def labels_match(patterns, labels):
+    """Return True if every ``label: glob`` in ``patterns`` matches the worker's ``labels``.
+
+    Matching is case-sensitive shell-style globbing (``a100*``); a label the worker lacks never matches.
+    """
+    for key, pattern in (patterns or {}).items():
+        value = (labels or {}).get(key)
+        if value is None or not fnmatch.fnmatchcase(str(value), str(pattern)):
+            return False
+    return True
+
+
+def job_fits_worker(job, worker):
+    """Return True if ``worker``'s capabilities satisfy ``job`` (GPU count and labels; not availability)."""
+    return worker.gpu_count >= job.gpu_count and labels_match(job.worker_labels, worker.labels)

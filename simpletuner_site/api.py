@@ -1,0 +1,46 @@
+"""API plumbing shared by every app: the error format and client address helpers."""
+
+from django.http import JsonResponse
+from rest_framework import exceptions, status
+from rest_framework.response import Response
+from rest_framework.views import exception_handler as drf_exception_handler
+
+from .errors import ServiceError
+
+_DRF_CODES = {
+    status.HTTP_401_UNAUTHORIZED: "not_authenticated",
+    status.HTTP_403_FORBIDDEN: "permission_denied",
+    status.HTTP_404_NOT_FOUND: "not_found",
+    status.HTTP_405_METHOD_NOT_ALLOWED: "method_not_allowed",
+    status.HTTP_415_UNSUPPORTED_MEDIA_TYPE: "unsupported_media_type",
+    status.HTTP_429_TOO_MANY_REQUESTS: "throttled",
+}
+
+
+def error_body(code, detail, **extra):
+    return {"code": code, "detail": detail, **extra}
+
+
+def error_response(code, detail, status_code, **extra):
+    """Return a plain Django JSON error response (for views outside DRF)."""
+    return JsonResponse(error_body(code, detail, **extra), status=status_code)
+
+
+def exception_handler(exc, context):
+    """Render every API error as ``{"code", "detail"}`` (plus ``errors`` for field validation)."""
+    if isinstance(exc, ServiceError):
+        return Response(error_body(exc.code, exc.detail, **exc.extra), status=exc.status_code)
+    response = drf_exception_handler(exc, context)
+    if response is None:
+        return None
+    if isinstance(exc, exceptions.ValidationError):
+        response.data = error_body("invalid", "The request is invalid; see errors.", errors=exc.detail)
+    else:
+        detail = response.data.get("detail", str(exc)) if isinstance(response.data, dict) else str(exc)
+        response.data = error_body(_DRF_CODES.get(response.status_code, "error"), str(detail))
+    return response
+
+
+def client_ip(request):
+    """Return the peer address of ``request`` (REMOTE_ADDR; put a proxy's X-Forwarded-For handling here)."""
+    return request.META.get("REMOTE_ADDR") or None

@@ -1,0 +1,32 @@
+"""ASGI entry point. Worker streams skip Django's per-request thread so idle streams cost no thread."""
+
+import os
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "simpletuner_site.settings")
+
+import django  # noqa: E402
+
+django.setup(set_prefix=False)
+
+from django.core.handlers.asgi import ASGIHandler  # noqa: E402
+
+STREAM_PATHS = frozenset({"/api/workers/stream", "/api/workers/stream/"})
+
+
+class StreamAwareASGIHandler(ASGIHandler):
+    """Django's ASGI handler, except that stream requests run without a ThreadSensitiveContext.
+
+    Django gives every request its own executor thread for its sync parts; an endless SSE response
+    would hold that thread (and, under the library's view, a DB connection) for its whole life. The
+    stream view is async and does its DB work in a pool thread that closes its connection, so only
+    the middleware's brief sync steps run on the process-wide sync thread.
+    """
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope.get("path") in STREAM_PATHS:
+            await self.handle(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
+
+
+application = StreamAwareASGIHandler()

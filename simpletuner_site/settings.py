@@ -1,0 +1,220 @@
+"""Settings for the SimpleTuner orchestrator, driven entirely by environment variables (see README)."""
+
+import os
+import secrets
+from pathlib import Path
+from urllib.parse import urlparse
+
+import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+
+def _env_bool(name, default):
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    value = raw.strip().lower()
+    if value in {"1", "true", "yes", "on"}:
+        return True
+    if value in {"0", "false", "no", "off"}:
+        return False
+    raise ImproperlyConfigured(f"{name} must be true or false, got {raw!r}")
+
+
+def _env_seconds(name, default):
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return float(default)
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name} must be a number of seconds, got {raw!r}") from None
+    if value <= 0:
+        raise ImproperlyConfigured(f"{name} must be positive, got {raw!r}")
+    return value
+
+
+def _env_int(name, default, minimum=0):
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name} must be an integer, got {raw!r}") from None
+    if value < minimum:
+        raise ImproperlyConfigured(f"{name} must be >= {minimum}, got {raw!r}")
+    return value
+
+
+DATA_DIR = Path(os.environ.get("SIMPLETUNER_DATA_DIR") or "./var").resolve()
+DATA_DIR.mkdir(parents=True, exist_ok=True)
+
+
+def _secret_key():
+    key = os.environ.get("DJANGO_SECRET_KEY")
+    if key:
+        return key
+    path = DATA_DIR / "secret_key"
+    if path.exists():
+        return path.read_text().strip()
+    key = secrets.token_urlsafe(50)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(key)
+    return key
+
+
+SECRET_KEY = _secret_key()
+DEBUG = _env_bool("DJANGO_DEBUG", False)
+ALLOWED_HOSTS = [h.strip() for h in os.environ.get("DJANGO_ALLOWED_HOSTS", "*").split(",") if h.strip()]
+CSRF_TRUSTED_ORIGINS = [
+    o.strip() for o in os.environ.get("DJANGO_CSRF_TRUSTED_ORIGINS", "").split(",") if o.strip()
+]
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "django_eventstream",
+    "audit",
+    "workers",
+    "job_queue",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "simpletuner_site.urls"
+ASGI_APPLICATION = "simpletuner_site.asgi.application"
+WSGI_APPLICATION = None
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+# --- Database -------------------------------------------------------------------------------
+DATABASE_URL = os.environ.get("DATABASE_URL", "")
+if DATABASE_URL:
+    try:
+        DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=0, conn_health_checks=True)}
+    except Exception as exc:  # dj-database-url raises a handful of types for a bad URL
+        raise ImproperlyConfigured(f"DATABASE_URL is not a valid database URL: {exc}") from None
+else:
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": str(DATA_DIR / "orchestrator.sqlite3"),
+            "OPTIONS": {
+                # WAL lets readers (streams, list views) proceed while one writer commits;
+                # IMMEDIATE takes the write lock at BEGIN, so two writers queue instead of deadlocking.
+                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+                "transaction_mode": "IMMEDIATE",
+                "timeout": 30,
+            },
+            "TEST": {"NAME": str(DATA_DIR / "test-orchestrator.sqlite3")},
+        }
+    }
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# --- Redis: cross-process event delivery and the Celery broker ------------------------------
+REDIS_URL = os.environ.get("REDIS_URL", "")
+if REDIS_URL:
+    _redis = urlparse(REDIS_URL)
+    if _redis.scheme not in {"redis", "rediss"} or not _redis.hostname:
+        raise ImproperlyConfigured(f"REDIS_URL must look like redis://host:6379/0, got {REDIS_URL!r}")
+    EVENTSTREAM_REDIS = {
+        "host": _redis.hostname,
+        "port": _redis.port or 6379,
+        "db": int((_redis.path or "/0").lstrip("/") or 0),
+        "password": _redis.password,
+        "ssl": _redis.scheme == "rediss",
+    }
+    CELERY_BROKER_URL = REDIS_URL
+else:
+    CELERY_BROKER_URL = "memory://"
+CELERY_TASK_IGNORE_RESULT = True
+
+EVENTSTREAM_STORAGE_CLASS = "django_eventstream.storage.DjangoModelStorage"
+EVENTSTREAM_CHANNELMANAGER_CLASS = "workers.events.WorkerChannelManager"
+EVENTSTREAM_ALLOW_ORIGINS = []
+
+# --- Orchestrator timers and policy ---------------------------------------------------------
+SIMPLETUNER = {
+    "HEARTBEAT_INTERVAL": _env_seconds("SIMPLETUNER_HEARTBEAT_INTERVAL", 30),
+    "HEARTBEAT_TIMEOUT": _env_seconds("SIMPLETUNER_HEARTBEAT_TIMEOUT", 120),
+    "HEALTH_CHECK_INTERVAL": _env_seconds("SIMPLETUNER_HEALTH_CHECK_INTERVAL", 60),
+    "EPHEMERAL_CLEANUP_AFTER": _env_seconds("SIMPLETUNER_EPHEMERAL_CLEANUP_AFTER", 3600),
+    "JOB_MAX_RETRIES": _env_int("SIMPLETUNER_JOB_MAX_RETRIES", 3, minimum=0),
+}
+
+# --- Auth and API ---------------------------------------------------------------------------
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "workers.authentication.BearerTokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "EXCEPTION_HANDLER": "simpletuner_site.api.exception_handler",
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "PAGE_SIZE": 100,
+    "UNAUTHENTICATED_USER": None,
+}
+APPEND_SLASH = False
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = DATA_DIR / "static"
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {"BACKEND": "whitenoise.storage.CompressedStaticFilesStorage"},
+}
+WHITENOISE_USE_FINDERS = True
+WHITENOISE_AUTOREFRESH = DEBUG
+
+SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https") if _env_bool("DJANGO_BEHIND_TLS_PROXY", False) else None
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": os.environ.get("SIMPLETUNER_LOG_LEVEL", "INFO")},
+    "loggers": {
+        "django_eventstream": {"level": "WARNING"},
+        "django.db.backends": {"level": "WARNING"},
+    },
+}

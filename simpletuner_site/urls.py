@@ -1,0 +1,13 @@
+"""URL routes: worker protocol, admin workers API, queue API, audit API, Django admin."""
+
+from django.contrib import admin
+from django.urls import include, path
+
+urlpatterns = [
+    path("admin/", admin.site.urls),
+    path("api/workers/", include("workers.api.urls")),
+    path("api/admin/workers", include("workers.api.admin_urls")),
+    path("api/queue/", include("job_queue.api.urls")),
+    path("api/audit/", include("audit.api.urls")),
+    path("api-auth/", include("rest_framework.urls")),
+]

@@ -1,0 +1,111 @@
+"""Request and response shapes of the worker and admin-worker APIs."""
+
+from rest_framework import serializers
+
+from ..models import Worker, WorkerType
+
+
+class WorkerSerializer(serializers.ModelSerializer):
+    current_job_id = serializers.CharField(read_only=True, allow_null=True)
+    draining = serializers.SerializerMethodField()
+    stream_connected = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Worker
+        fields = [
+            "id",
+            "name",
+            "status",
+            "worker_type",
+            "labels",
+            "gpu_count",
+            "gpu_name",
+            "gpu_vram_gb",
+            "accelerator_type",
+            "gpu_info",
+            "hostname",
+            "agent_version",
+            "metrics",
+            "current_job_id",
+            "draining",
+            "stream_connected",
+            "last_heartbeat",
+            "connected_at",
+            "status_changed_at",
+            "created_at",
+        ]
+        read_only_fields = fields
+
+    def get_draining(self, worker):
+        return worker.drain_requested_at is not None
+
+    def get_stream_connected(self, worker):
+        return worker.stream_id is not None
+
+
+class WorkerCreateSerializer(serializers.Serializer):
+    name = serializers.CharField(max_length=128)
+    worker_type = serializers.ChoiceField(
+        choices=[WorkerType.EPHEMERAL, WorkerType.PERSISTENT], default=WorkerType.PERSISTENT
+    )
+    labels = serializers.DictField(child=serializers.CharField(allow_blank=True, max_length=200), required=False)
+
+
+class WorkerCreatedSerializer(WorkerSerializer):
+    worker_id = serializers.CharField(source="id", read_only=True)
+    token = serializers.SerializerMethodField()
+
+    class Meta(WorkerSerializer.Meta):
+        fields = ["worker_id", "token", *WorkerSerializer.Meta.fields]
+        read_only_fields = fields
+
+    def get_token(self, worker):
+        return self.context["token"]
+
+
+class RegisterSerializer(serializers.Serializer):
+    """Both the spec's flat capability fields and the upstream agent's ``gpu_info`` are accepted."""
+
+    name = serializers.CharField(required=False, allow_blank=True, max_length=128)
+    worker_id = serializers.CharField(required=False, allow_null=True)
+    gpu_info = serializers.DictField(required=False, allow_null=True)
+    gpu_count = serializers.IntegerField(required=False, allow_null=True, min_value=0)
+    gpu_name = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=200)
+    gpu_vram_gb = serializers.FloatField(required=False, allow_null=True, min_value=0)
+    accelerator_type = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=32)
+    persistent = serializers.BooleanField(required=False, allow_null=True)
+    current_job_id = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=64)
+    hostname = serializers.CharField(required=False, allow_blank=True, max_length=255)
+    agent_version = serializers.CharField(required=False, allow_blank=True, max_length=64)
+    gpus = serializers.ListField(child=serializers.DictField(), required=False)
+    driver_version = serializers.CharField(required=False, allow_null=True, allow_blank=True)
+    cuda_version = serializers.CharField(required=False, allow_null=True, allow_blank=True)
+
+
+class HeartbeatSerializer(serializers.Serializer):
+    worker_id = serializers.CharField(required=False, allow_null=True)
+    status = serializers.CharField(required=False, allow_null=True, max_length=32)
+    current_job_id = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=64)
+    progress = serializers.JSONField(required=False, allow_null=True)
+    log_tail = serializers.JSONField(required=False, allow_null=True)
+    gpu_utilization = serializers.JSONField(required=False, allow_null=True)
+    gpu_memory_used_gb = serializers.JSONField(required=False, allow_null=True)
+    gpu_memory_total_gb = serializers.JSONField(required=False, allow_null=True)
+    gpus = serializers.JSONField(required=False, allow_null=True)
+    cpu_percent = serializers.FloatField(required=False, allow_null=True)
+    memory_percent = serializers.FloatField(required=False, allow_null=True)
+    memory_used_gb = serializers.FloatField(required=False, allow_null=True)
+    load_average = serializers.JSONField(required=False, allow_null=True)
+
+
+class JobStatusReportSerializer(serializers.Serializer):
+    status = serializers.ChoiceField(choices=["starting", "training", "running", "completed", "failed", "cancelled"])
+    error = serializers.CharField(required=False, allow_null=True, allow_blank=True)
+    progress = serializers.JSONField(required=False, allow_null=True)
+    attempt = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=40)
+    exit_code = serializers.IntegerField(required=False, allow_null=True)
+    log_tail = serializers.JSONField(required=False, allow_null=True)
+
+
+class WorkerIdSerializer(serializers.Serializer):
+    worker_id = serializers.CharField(required=False, allow_null=True)

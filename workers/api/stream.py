@@ -1,0 +1,108 @@
+"""The worker SSE stream: django-eventstream's stream, opened only by the worker's own token.
+
+The view is async and does its two short DB touches (authenticate + mark open, mark closed) in a
+worker thread that releases its connection at once, so an idle stream holds no thread and no DB
+connection (see ``simpletuner_site.asgi`` for the handler that skips the per-request thread).
+"""
+
+import logging
+import uuid
+
+from asgiref.sync import sync_to_async
+from django.db import close_old_connections, connection
+from django.http import StreamingHttpResponse
+from django_eventstream.eventrequest import EventRequest
+from django_eventstream.eventstream import get_current_event_id
+from django_eventstream.utils import parse_last_event_id
+from django_eventstream.views import Listener, stream
+
+from simpletuner_site.api import client_ip, error_response
+
+from .. import services
+from ..authentication import WORKER_TOKEN_HEADER
+from ..events import StreamPrincipal, worker_channel
+from ..models import TokenKind
+
+logger = logging.getLogger(__name__)
+
+
+def _released(fn):
+    """Run ``fn`` in a thread pool thread and close that thread's DB connection afterwards."""
+
+    def wrapper(*args, **kwargs):
+        close_old_connections()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            connection.close()
+
+    return sync_to_async(wrapper, thread_sensitive=False)
+
+
+@_released
+def _open(secret, claimed_worker_id, stream_id, replaying, ip):
+    token = services.token_authenticate(kind=TokenKind.WORKER, plaintext=secret)
+    if token is None:
+        services.worker_stream_refused(reason="invalid or revoked token", token_prefix=(secret or "")[:6], ip=ip)
+        return None, None, "Invalid token: it may have been rotated; request a new one"
+    worker = token.worker
+    if claimed_worker_id and claimed_worker_id != worker.pk:
+        return None, None, f"this token belongs to worker {worker.pk}, not {claimed_worker_id}"
+    current = get_current_event_id([worker_channel(worker.pk)])
+    services.worker_stream_opened(worker_id=worker.pk, stream_id=stream_id, replaying=replaying)
+    return token, current, None
+
+
+@_released
+def _close(worker_id, stream_id):
+    services.worker_stream_closed(worker_id=worker_id, stream_id=stream_id)
+
+
+async def worker_stream(request):
+    """GET /api/workers/stream: the calling worker's dispatch feed (401 without its valid token)."""
+    if request.method != "GET":
+        return error_response("method_not_allowed", "use GET", 405)
+    secret = request.headers.get(WORKER_TOKEN_HEADER)
+    if not secret:
+        return error_response("not_authenticated", f"{WORKER_TOKEN_HEADER} header is required", 401)
+    last_event_id = request.headers.get("Last-Event-ID") or request.GET.get("lastEventId")
+    stream_id = uuid.uuid4().hex
+    token, current_id, refusal = await _open(
+        secret, request.GET.get("worker_id"), stream_id, bool(last_event_id), client_ip(request)
+    )
+    if token is None:
+        status = 403 if refusal.startswith("this token") else 401
+        return error_response("not_authenticated" if status == 401 else "permission_denied", refusal, status)
+
+    worker_id = token.worker_id
+    principal = StreamPrincipal(token.pk, worker_id)
+    request.user = principal  # the library reads request.user; this skips the session lookup
+    channel = worker_channel(worker_id)
+    try:
+        event_request = EventRequest(request, view_kwargs={"channels": [channel]})
+    except EventRequest.Error as exc:
+        await _close(worker_id, stream_id)
+        return error_response("invalid_last_event_id", str(exc), 400)
+    if channel not in event_request.channel_last_ids:
+        # Start from the id current *before* the stream was marked open, so an event published in
+        # between (a dispatch triggered by the open itself) is read from storage, not lost.
+        event_request.channel_last_ids = parse_last_event_id(current_id)
+
+    listener = Listener()
+    listener.user_id = principal.pk
+    listener.channels = event_request.channels
+    listener.principal = principal
+
+    async def body():
+        try:
+            async for chunk in stream(event_request, listener):
+                yield chunk
+        finally:
+            await _close(worker_id, stream_id)
+            logger.info("stream closed for worker %s", worker_id)
+
+    logger.info("stream opened for worker %s%s", worker_id, " (resuming)" if last_event_id else "")
+    response = StreamingHttpResponse(body(), content_type="text/event-stream")
+    response["Cache-Control"] = "no-cache"
+    response["X-Accel-Buffering"] = "no"
+    return response

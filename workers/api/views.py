@@ -1,0 +1,151 @@
+"""Worker protocol endpoints (X-Worker-Token) and the operators' worker administration endpoints."""
+
+from rest_framework import exceptions, status
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from audit.services import Actor
+from job_queue import services as job_services
+from simpletuner_site.api import client_ip
+from simpletuner_site.errors import NotFound
+
+from .. import services
+from ..authentication import CanManageWorkers, IsWorker, WorkerTokenAuthentication
+from ..models import Worker
+from .serializers import (
+    HeartbeatSerializer,
+    JobStatusReportSerializer,
+    RegisterSerializer,
+    WorkerCreatedSerializer,
+    WorkerCreateSerializer,
+    WorkerIdSerializer,
+    WorkerSerializer,
+)
+
+STREAM_PATH = "/api/workers/stream"
+
+
+class WorkerAPIView(APIView):
+    """Base for endpoints an agent calls: authenticated by its token, bound to its own worker."""
+
+    authentication_classes = [WorkerTokenAuthentication]
+    permission_classes = [IsWorker]
+
+    @property
+    def worker(self):
+        return self.request.user.worker
+
+    @property
+    def actor(self):
+        return Actor.for_worker(self.worker, client_ip(self.request))
+
+    def check_worker_id(self, claimed):
+        """Refuse a request that names a different worker than the token's."""
+        if claimed and str(claimed) != self.worker.pk:
+            raise exceptions.PermissionDenied(f"this token belongs to worker {self.worker.pk}, not {claimed}")
+
+    def validated(self, serializer_class, data):
+        serializer = serializer_class(data=data)
+        serializer.is_valid(raise_exception=True)
+        self.check_worker_id(serializer.validated_data.get("worker_id"))
+        return serializer.validated_data
+
+
+class RegisterView(WorkerAPIView):
+    def initial(self, request, *args, **kwargs):
+        try:
+            super().initial(request, *args, **kwargs)
+        except (exceptions.AuthenticationFailed, exceptions.NotAuthenticated, exceptions.PermissionDenied) as exc:
+            secret = request.headers.get("X-Worker-Token") or ""
+            body = request.data if isinstance(request.data, dict) else {}
+            services.worker_register_failed(
+                reason=str(exc.detail), token_prefix=secret.strip()[:6], ip=client_ip(request), name=body.get("name", "")
+            )
+            raise
+
+    def post(self, request):
+        data = self.validated(RegisterSerializer, request.data)
+        result = services.worker_register(worker_id=self.worker.pk, data=data, actor=self.actor)
+        result["sse_url"] = request.build_absolute_uri(f"{STREAM_PATH}?worker_id={self.worker.pk}")
+        result["heartbeat_interval"] = services.heartbeat_interval()
+        return Response(result)
+
+
+class HeartbeatView(WorkerAPIView):
+    def post(self, request):
+        data = self.validated(HeartbeatSerializer, request.data)
+        return Response(services.worker_heartbeat(worker_id=self.worker.pk, data=data, actor=self.actor))
+
+
+class JobStatusView(WorkerAPIView):
+    def post(self, request, job_id):
+        data = self.validated(JobStatusReportSerializer, request.data)
+        result = job_services.job_report(worker_id=self.worker.pk, job_id=job_id, data=data, actor=self.actor)
+        return Response(result)
+
+
+class QueueView(WorkerAPIView):
+    def get(self, request):
+        self.check_worker_id(request.query_params.get("worker_id"))
+        return Response({"has_jobs": job_services.worker_has_jobs(worker_id=self.worker.pk)})
+
+
+class DisconnectView(WorkerAPIView):
+    def post(self, request):
+        self.validated(WorkerIdSerializer, request.data)
+        return Response(services.worker_disconnect(worker_id=self.worker.pk, actor=self.actor))
+
+
+# --- administration -----------------------------------------------------------------------------
+
+
+class AdminWorkerAPIView(APIView):
+    permission_classes = [CanManageWorkers]
+
+    @property
+    def actor(self):
+        return Actor.for_user(self.request.user, client_ip(self.request))
+
+
+def get_worker_or_404(worker_id):
+    worker = Worker.objects.filter(pk=worker_id).first()
+    if worker is None:
+        raise NotFound(f"worker {worker_id} does not exist")
+    return worker
+
+
+class AdminWorkerListView(AdminWorkerAPIView):
+    def get(self, request):
+        workers = Worker.objects.all()
+        wanted = request.query_params.get("status")
+        if wanted:
+            workers = workers.filter(status__in=wanted.split(","))
+        return Response({"workers": WorkerSerializer(workers, many=True).data})
+
+    def post(self, request):
+        serializer = WorkerCreateSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        worker, token = services.worker_create(**serializer.validated_data, actor=self.actor)
+        return Response(WorkerCreatedSerializer(worker, context={"token": token}).data, status=status.HTTP_201_CREATED)
+
+
+class AdminWorkerDetailView(AdminWorkerAPIView):
+    def get(self, request, worker_id):
+        return Response(WorkerSerializer(get_worker_or_404(worker_id)).data)
+
+    def delete(self, request, worker_id):
+        services.worker_delete(worker_id=worker_id, actor=self.actor)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class AdminWorkerDrainView(AdminWorkerAPIView):
+    def post(self, request, worker_id):
+        worker = services.worker_drain(worker_id=worker_id, actor=self.actor)
+        return Response(WorkerSerializer(worker).data)
+
+
+class AdminWorkerTokenView(AdminWorkerAPIView):
+    def post(self, request, worker_id):
+        token = services.worker_rotate_token(worker_id=worker_id, actor=self.actor)
+        worker = get_worker_or_404(worker_id)
+        return Response({"worker_id": worker.pk, "name": worker.name, "token": token})

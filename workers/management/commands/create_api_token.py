@@ -1,0 +1,32 @@
+"""Create (optionally) a user and print a new operator API token on the last line of stdout."""
+
+from django.contrib.auth import get_user_model
+from django.core.management.base import BaseCommand, CommandError
+from django.db import transaction
+
+from audit.services import Actor
+from workers.services import api_token_create
+
+
+class Command(BaseCommand):
+    help = "Issue an operator API token (Authorization: Bearer ...) for USERNAME; the token is printed once."
+
+    def add_arguments(self, parser):
+        parser.add_argument("username")
+        parser.add_argument("--superuser", action="store_true", help="create the user as a superuser if missing")
+        parser.add_argument("--description", default="", help="what the token is for")
+
+    def handle(self, username, superuser, description, **options):
+        User = get_user_model()
+        with transaction.atomic():
+            user = User.objects.filter(username=username).first()
+            if user is None:
+                if not superuser:
+                    raise CommandError(f"user {username!r} does not exist; pass --superuser to create it as an administrator")
+                user = User.objects.create_superuser(username=username, email="", password=None)
+                self.stderr.write(f"Created superuser {username!r} (no password; set one with `manage.py changepassword {username}`)")
+            elif superuser and not user.is_superuser:
+                raise CommandError(f"user {username!r} exists and is not a superuser; refusing to promote it")
+            token = api_token_create(user=user, actor=Actor.system("create_api_token"), description=description)
+        self.stderr.write("API token (shown once; use it as: Authorization: Bearer <token>):")
+        self.stdout.write(token)

@@ -1,0 +1,149 @@
+"""Workers (GPU machines) and the bearer tokens that authenticate workers and operators."""
+
+import hashlib
+import secrets
+
+from django.conf import settings
+from django.db import models
+
+
+def new_worker_id():
+    return "w_" + secrets.token_hex(6)
+
+
+class WorkerType(models.TextChoices):
+    EPHEMERAL = "ephemeral", "Ephemeral"
+    PERSISTENT = "persistent", "Persistent"
+    LOCAL = "local", "Local (built into the orchestrator)"
+
+
+class WorkerStatus(models.TextChoices):
+    CONNECTING = "connecting", "Connecting"
+    IDLE = "idle", "Idle"
+    BUSY = "busy", "Busy"
+    DRAINING = "draining", "Draining"
+    OFFLINE = "offline", "Offline"
+
+
+# Statuses in which the agent is known to be alive and holding a session with us.
+WORKER_ONLINE = frozenset({WorkerStatus.IDLE, WorkerStatus.BUSY, WorkerStatus.DRAINING})
+
+# Allowed transitions: target -> statuses it may be entered from. Self-transitions are not listed;
+# services treat "already there" explicitly where it is legal (e.g. re-registration of an idle worker).
+WORKER_TRANSITIONS = {
+    WorkerStatus.IDLE: frozenset({WorkerStatus.CONNECTING, WorkerStatus.OFFLINE, WorkerStatus.BUSY, WorkerStatus.IDLE}),
+    WorkerStatus.BUSY: frozenset({WorkerStatus.CONNECTING, WorkerStatus.OFFLINE, WorkerStatus.IDLE, WorkerStatus.BUSY}),
+    WorkerStatus.DRAINING: frozenset(
+        {WorkerStatus.CONNECTING, WorkerStatus.OFFLINE, WorkerStatus.IDLE, WorkerStatus.BUSY, WorkerStatus.DRAINING}
+    ),
+    WorkerStatus.OFFLINE: frozenset({WorkerStatus.IDLE, WorkerStatus.BUSY, WorkerStatus.DRAINING}),
+    WorkerStatus.CONNECTING: frozenset(),
+}
+
+
+class Worker(models.Model):
+    id = models.CharField(primary_key=True, max_length=32, default=new_worker_id, editable=False)
+    name = models.CharField(max_length=128, unique=True)
+    worker_type = models.CharField(max_length=16, choices=WorkerType.choices, default=WorkerType.PERSISTENT)
+    status = models.CharField(
+        max_length=16, choices=WorkerStatus.choices, default=WorkerStatus.CONNECTING, db_index=True
+    )
+    labels = models.JSONField(default=dict, blank=True)
+
+    gpu_count = models.PositiveIntegerField(default=0)
+    gpu_name = models.CharField(max_length=200, blank=True, default="")
+    gpu_vram_gb = models.FloatField(null=True, blank=True)
+    accelerator_type = models.CharField(max_length=32, blank=True, default="")
+    gpu_info = models.JSONField(default=dict, blank=True, help_text="Capabilities exactly as the agent reported them.")
+    hostname = models.CharField(max_length=255, blank=True, default="")
+    agent_version = models.CharField(max_length=64, blank=True, default="")
+    metrics = models.JSONField(default=dict, blank=True, help_text="Utilisation from the latest heartbeat.")
+
+    current_job = models.OneToOneField(
+        "queue.Job", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    drain_requested_at = models.DateTimeField(null=True, blank=True)
+    # The SSE stream currently serving this worker (any process); null when none is open.
+    stream_id = models.CharField(max_length=40, null=True, blank=True)
+    stream_opened_at = models.DateTimeField(null=True, blank=True)
+
+    last_heartbeat = models.DateTimeField(null=True, blank=True, db_index=True)
+    connected_at = models.DateTimeField(null=True, blank=True)
+    last_job_finished_at = models.DateTimeField(null=True, blank=True)
+    status_changed_at = models.DateTimeField(auto_now_add=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+
+    class Meta:
+        ordering = ["name"]
+        permissions = [("manage_workers", "Can manage workers (create, drain, rotate tokens, delete)")]
+        indexes = [models.Index(fields=["status", "last_heartbeat"], name="worker_status_hb")]
+
+    def __str__(self):
+        return f"{self.name} ({self.id})"
+
+    @property
+    def is_draining(self):
+        return self.drain_requested_at is not None
+
+    @property
+    def has_stream(self):
+        return self.stream_id is not None
+
+    @property
+    def never_connected(self):
+        return self.connected_at is None
+
+
+class TokenKind(models.TextChoices):
+    WORKER = "worker", "Worker"
+    API = "api", "Operator API"
+
+
+TOKEN_PREFIXES = {TokenKind.WORKER: "wt_", TokenKind.API: "sta_"}
+
+
+def hash_token(plaintext):
+    """Return the SHA-256 hex digest under which a token is stored."""
+    return hashlib.sha256(plaintext.encode("utf-8")).hexdigest()
+
+
+def generate_token(kind):
+    """Return a new random plaintext token for ``kind`` (e.g. ``wt_...`` for workers)."""
+    return TOKEN_PREFIXES[kind] + secrets.token_urlsafe(32)
+
+
+class Token(models.Model):
+    """A bearer secret. Only its SHA-256 digest is stored; the plaintext is shown once at creation."""
+
+    kind = models.CharField(max_length=8, choices=TokenKind.choices)
+    digest = models.CharField(max_length=64, unique=True)
+    prefix = models.CharField(max_length=16, help_text="First characters, for recognising a token in lists.")
+    worker = models.ForeignKey(Worker, null=True, blank=True, on_delete=models.CASCADE, related_name="tokens")
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE, related_name="api_tokens"
+    )
+    description = models.CharField(max_length=200, blank=True, default="")
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            models.CheckConstraint(
+                name="token_owner_matches_kind",
+                condition=(
+                    models.Q(kind="worker", worker__isnull=False, user__isnull=True)
+                    | models.Q(kind="api", user__isnull=False, worker__isnull=True)
+                ),
+            )
+        ]
+
+    def __str__(self):
+        return f"{self.prefix}… ({self.kind})"
+
+    @property
+    def is_active(self):
+        return self.revoked_at is None
