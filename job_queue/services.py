@@ -317,6 +317,13 @@ def _free_worker(*, worker, actor, reason):
         dispatch_on_commit(worker_id=worker.pk)
 
 
+def job_reconcile_idle_agent(*, worker, actor):
+    """Free a locked ``worker`` whose agent says it runs nothing while it holds a cancelled job."""
+    job = lock_job(worker.current_job_id)
+    if job is None or job.status == JobStatus.CANCELLED:
+        _free_worker(worker=worker, actor=actor, reason="agent reports no job after cancel")
+
+
 def job_report(*, worker_id, job_id, data, actor):
     """Apply a worker's status report for ``job_id``; return ``{"job_id", "status", "accepted"}``.
 
@@ -330,10 +337,12 @@ def job_report(*, worker_id, job_id, data, actor):
     lease = data.get("attempt") or data.get("lease_id")
     error = str(data.get("error") or "")
     with transaction.atomic():
+        # Worker before job, the order every worker-side service locks in (heartbeat, register,
+        # disconnect); the other order deadlocks against a concurrent heartbeat of the same agent.
+        worker = Worker.objects.select_for_update().get(pk=worker_id)
         job = lock_job(job_id)
         if job is None:
             raise NotFound(f"job {job_id} does not exist")
-        worker = Worker.objects.select_for_update().get(pk=worker_id)
         refusal = None
         if job.worker_id != worker.pk:
             refusal = ("job_not_owned", f"job {job.pk} is not assigned to worker {worker.name}; stop it")

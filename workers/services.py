@@ -400,6 +400,9 @@ def worker_heartbeat(*, worker_id, data, actor):
             Worker.objects.filter(pk=worker.pk).update(**fields)
         if reported_job_id and data.get("progress") is not None:
             job_services.job_record_progress(job_id=worker.current_job_id, worker=worker, data=data)
+        elif not reported_job_id and worker.current_job_id:
+            # The agent runs nothing: a cancelled job it held is over, so the worker is free again.
+            job_services.job_reconcile_idle_agent(worker=worker, actor=actor)
     return {
         "status": worker.status,
         "draining": worker.drain_requested_at is not None,

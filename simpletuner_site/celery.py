@@ -1,0 +1,24 @@
+"""The Celery app: configured from the CELERY_* Django settings, tasks found in each app's tasks.py."""
+
+import os
+
+from celery import Celery
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "simpletuner_site.settings")
+
+app = Celery("simpletuner_site")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+app.autodiscover_tasks()
+
+
+def _beat_schedule():
+    """Celery beat runs the same sweep functions, on the same intervals, as the embedded scheduler."""
+    import django
+
+    django.setup()
+    from .scheduler import sweep_schedule
+
+    return {task: {"task": task, "schedule": interval} for task, _fn, interval in sweep_schedule()}
+
+
+app.conf.beat_schedule = _beat_schedule()

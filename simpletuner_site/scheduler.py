@@ -1,0 +1,70 @@
+"""The embedded scheduler: runs the sweeps in-process when no broker (REDIS_URL) is configured.
+
+With Redis, Celery beat runs the very same functions (see ``simpletuner_site.celery``).
+"""
+
+import logging
+import threading
+
+from django.conf import settings
+from django.db import close_old_connections, connection
+
+logger = logging.getLogger(__name__)
+
+
+def sweep_schedule():
+    """Return ``[(task_name, function, interval_seconds)]``: every periodic sweep and how often it runs.
+
+    ``task_name`` is also the name of the Celery task wrapping ``function`` (see each app's tasks.py).
+    """
+    from job_queue.services import dispatch_pending
+    from workers.sweeps import sweep_stale_workers
+
+    interval = settings.SIMPLETUNER["HEALTH_CHECK_INTERVAL"]
+    return [
+        ("workers.sweep_stale_workers", sweep_stale_workers, interval),
+        ("queue.dispatch_pending", dispatch_pending, interval),
+    ]
+
+
+class EmbeddedScheduler:
+    """Run each sweep of ``schedule`` every its interval on one daemon thread until ``stop()``."""
+
+    def __init__(self, schedule=None, clock=None):
+        import time
+
+        self._schedule = schedule if schedule is not None else sweep_schedule()
+        self._clock = clock or time.monotonic
+        self._stop = threading.Event()
+        self._thread = None
+
+    def start(self):
+        self._thread = threading.Thread(target=self._run, name="embedded-sweeps", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout=10):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def run_once(self, name, fn):
+        close_old_connections()
+        try:
+            return fn()
+        except Exception:
+            logger.exception("sweep %s failed; it runs again at its next interval", name)
+            return None
+        finally:
+            connection.close()
+
+    def _run(self):
+        due = {name: self._clock() + interval for name, _, interval in self._schedule}
+        while not self._stop.is_set():
+            now = self._clock()
+            for name, fn, interval in self._schedule:
+                if now >= due[name]:
+                    self.run_once(name, fn)
+                    due[name] = self._clock() + interval
+            wait = min(due.values()) - self._clock()
+            self._stop.wait(max(wait, 0.05))

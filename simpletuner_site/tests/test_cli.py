@@ -1,0 +1,382 @@
+"""Tests for the `simpletuner` console script, the packaging metadata and the Celery app."""
+
+import hashlib
+import ipaddress
+import os
+import re
+import socket
+import sqlite3
+import ssl
+import stat
+import subprocess
+import sys
+import tomllib
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import requests
+from cryptography import x509
+
+from simpletuner_site import cli
+from tests.e2e.harness import REPO_ROOT, free_port, poll
+
+START_DEADLINE_S = 60
+STOP_GRACE_S = 10
+FINGERPRINT = re.compile(r"SHA-256\s+((?:[0-9A-F]{2}:){31}[0-9A-F]{2})")
+
+
+# --- the server process -----------------------------------------------------------------------
+class ServerProcess:
+    """A `python -m simpletuner_site.cli server ...` subprocess with its output in a log file."""
+
+    def __init__(self, args, *, data_dir, log_path):
+        self.port = free_port()
+        self.data_dir = data_dir
+        self.log_path = log_path
+        # The server under test is the embedded default: it must not pick up the suite's PostgreSQL/Redis.
+        env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE"}}
+        env.update(SIMPLETUNER_DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1")
+        with open(log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "simpletuner_site.cli", "server", "--port", str(self.port), *args],
+                cwd=REPO_ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+
+    def log(self):
+        return self.log_path.read_text(errors="replace")
+
+    def wait_until_unauthorized(self, url, **kwargs):
+        """Poll ``url`` until it answers 401: the API is up and wants credentials."""
+        last = ["no attempt"]
+
+        def answered():
+            assert self.process.poll() is None, f"server exited with {self.process.returncode}:\n{self.log()}"
+            try:
+                response = requests.get(url, timeout=(1, 5), **kwargs)
+            except (requests.RequestException, OSError) as exc:  # OSError: the CA file is not written yet
+                last[0] = f"{type(exc).__name__}: {exc}"
+                return None
+            last[0] = f"HTTP {response.status_code}"
+            return response.status_code == 401
+
+        try:
+            poll(answered, timeout=START_DEADLINE_S, message=f"401 from {url}")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc} (last: {last[0]})\n{self.log()}") from None
+
+    def stop(self):
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=STOP_GRACE_S)
+
+
+@pytest.fixture
+def start_server(tmp_path):
+    """Return ``start(*args, data_dir=...)``; every server started is stopped after the test."""
+    servers = []
+
+    def start(*args, data_dir):
+        server = ServerProcess(args, data_dir=data_dir, log_path=tmp_path / f"server-{len(servers)}.log")
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def _tables(db_path):
+    with sqlite3.connect(db_path) as conn:
+        return {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+
+
+# --- end to end -------------------------------------------------------------------------------
+@pytest.mark.e2e
+def test_server_applies_migrations_and_serves_the_api(start_server, tmp_path):
+    data_dir = tmp_path / "data"
+    server = start_server(data_dir=data_dir)
+
+    server.wait_until_unauthorized(f"http://127.0.0.1:{server.port}/api/admin/workers")
+
+    db_path = data_dir / "orchestrator.sqlite3"
+    with sqlite3.connect(db_path) as conn:
+        migrated = {row[0] for row in conn.execute("SELECT DISTINCT app FROM django_migrations")}
+    assert {"auth", "workers", "queue", "audit"} <= migrated  # app labels
+    log = server.log()
+    assert f"http://127.0.0.1:{server.port}" in log
+    assert str(data_dir.resolve()) in log
+    assert f"SQLite {db_path.resolve()}" in log
+    assert "embedded" in log
+
+
+@pytest.mark.e2e
+def test_no_migrate_leaves_a_fresh_database_without_tables(start_server, tmp_path):
+    data_dir = tmp_path / "data"
+    server = start_server("--no-migrate", data_dir=data_dir)
+
+    server.wait_until_unauthorized(f"http://127.0.0.1:{server.port}/api/admin/workers")
+
+    db_path = data_dir / "orchestrator.sqlite3"
+    assert not db_path.exists() or "django_migrations" not in _tables(db_path)
+
+
+@pytest.mark.e2e
+def test_ssl_generates_a_certificate_once_and_serves_https_with_it(start_server, tmp_path):
+    data_dir = tmp_path / "data"
+    cert_path, key_path = data_dir / "tls" / "cert.pem", data_dir / "tls" / "key.pem"
+    first = start_server("--ssl", data_dir=data_dir)
+
+    first.wait_until_unauthorized(f"https://localhost:{first.port}/api/admin/workers", verify=str(cert_path))
+
+    assert stat.S_IMODE(key_path.stat().st_mode) == 0o600
+    der = ssl.PEM_cert_to_DER_cert(cert_path.read_text())
+    printed = FINGERPRINT.search(first.log())
+    assert printed, first.log()
+    assert printed.group(1).replace(":", "").lower() == hashlib.sha256(der).hexdigest()
+    assert f"https://127.0.0.1:{first.port}" in first.log()
+    # The IP address SAN verifies too, and so does a client in strict X.509 mode (Python 3.13's default).
+    by_ip = requests.get(f"https://127.0.0.1:{first.port}/api/admin/workers", verify=str(cert_path), timeout=5)
+    assert by_ip.status_code == 401
+    context = ssl.create_default_context(cafile=str(cert_path))
+    context.verify_flags |= ssl.VERIFY_X509_STRICT
+    with socket.create_connection(("127.0.0.1", first.port), timeout=5) as sock:
+        with context.wrap_socket(sock, server_hostname="localhost") as tls:
+            assert tls.getpeercert(binary_form=True) == der
+    cert_bytes = cert_path.read_bytes()
+    first.stop()
+
+    second = start_server("--ssl", data_dir=data_dir)
+    second.wait_until_unauthorized(f"https://localhost:{second.port}/api/admin/workers", verify=str(cert_path))
+
+    assert cert_path.read_bytes() == cert_bytes
+    assert FINGERPRINT.search(second.log()).group(1) == printed.group(1)
+
+
+def test_certfile_without_keyfile_is_a_one_line_error(tmp_path):
+    cert_path, _ = _write_pair(tmp_path, "localhost")
+    env = {**os.environ, "SIMPLETUNER_DATA_DIR": str(tmp_path / "data")}
+
+    result = subprocess.run(
+        [sys.executable, "-m", "simpletuner_site.cli", "server", "--ssl-certfile", str(cert_path)],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "--ssl-keyfile" in result.stderr
+    assert not (tmp_path / "data").exists()  # refused before Django (and its data dir) was touched
+
+
+# --- argument handling (in process) -----------------------------------------------------------
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        ([], "required: COMMAND"),
+        (["server", "--port", "0"], "port must be 1-65535"),
+        (["server", "--port", "http"], "not a port number"),
+        (["server", "--host", "bad host"], "not an address or host name"),
+        (["server", "--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_bad_arguments_are_one_line_errors(capsys, argv, expected):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert expected in err
+
+
+def test_missing_cert_file_is_a_one_line_error(capsys, tmp_path):
+    _, key_path = _write_pair(tmp_path, "localhost")
+
+    status = cli.main(["server", "--ssl-certfile", str(tmp_path / "nope.pem"), "--ssl-keyfile", str(key_path)])
+
+    assert status == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nope.pem: no such file" in err
+
+
+def test_key_of_another_certificate_is_refused(capsys, tmp_path):
+    cert_path, _ = _write_pair(tmp_path / "a", "localhost")
+    _, other_key = _write_pair(tmp_path / "b", "localhost")
+
+    status = cli.main(["server", "--ssl-certfile", str(cert_path), "--ssl-keyfile", str(other_key)])
+
+    assert status == 2
+    assert "is not the key of --ssl-certfile" in capsys.readouterr().err
+
+
+def test_encrypted_key_is_refused(capsys, tmp_path):
+    cert_path, key_path = _write_pair(tmp_path, "localhost")
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"hunter2"),
+        )
+    )
+
+    status = cli.main(["server", "--ssl-certfile", str(cert_path), "--ssl-keyfile", str(key_path)])
+
+    assert status == 2
+    assert "not an unencrypted PEM private key" in capsys.readouterr().err
+
+
+# --- the self-signed certificate --------------------------------------------------------------
+def _write_pair(directory, host):
+    cert_path, key_path, _ = cli.ensure_self_signed_cert(Path(directory) / "tls", host)
+    return cert_path, key_path
+
+
+def test_generated_certificate_names_this_machine_and_the_listen_address(tmp_path):
+    cert_path, key_path, created = cli.ensure_self_signed_cert(tmp_path / "tls", "10.1.2.3")
+
+    assert created
+    cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert set(san.get_values_for_type(x509.DNSName)) >= {"localhost", socket.gethostname()}
+    assert set(san.get_values_for_type(x509.IPAddress)) == {
+        ipaddress.ip_address("127.0.0.1"),
+        ipaddress.ip_address("10.1.2.3"),
+    }
+    assert timedelta(days=824) < cert.not_valid_after_utc - datetime.now(timezone.utc) <= timedelta(days=825)
+    assert stat.S_IMODE(key_path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(cert_path.parent.stat().st_mode) == 0o700
+    assert list(tmp_path.iterdir()) == [tmp_path / "tls"]  # no staging directory left behind
+
+
+def test_wildcard_listen_address_is_not_put_in_the_certificate(tmp_path):
+    cert_path, _, _ = cli.ensure_self_signed_cert(tmp_path / "tls", "0.0.0.0")
+
+    cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert ipaddress.ip_address("0.0.0.0") not in san.get_values_for_type(x509.IPAddress)
+
+
+def test_existing_certificate_is_reused(tmp_path):
+    cert_path, _, _ = cli.ensure_self_signed_cert(tmp_path / "tls", "localhost")
+    before = cert_path.read_bytes()
+
+    again = cli.ensure_self_signed_cert(tmp_path / "tls", "10.9.9.9")
+
+    assert again == (cert_path, tmp_path / "tls" / "key.pem", False)
+    assert cert_path.read_bytes() == before
+
+
+def test_half_a_pair_is_an_error_not_overwritten(tmp_path):
+    cert_path, key_path, _ = cli.ensure_self_signed_cert(tmp_path / "tls", "localhost")
+    key_path.unlink()
+
+    with pytest.raises(cli.CLIError, match="only one of cert.pem and key.pem"):
+        cli.ensure_self_signed_cert(tmp_path / "tls", "localhost")
+    assert cert_path.exists() and not key_path.exists()
+
+
+def test_fingerprint_is_colon_separated_sha256_of_der(tmp_path):
+    cert_path, _ = _write_pair(tmp_path, "localhost")
+    cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+
+    fingerprint = cli.cert_fingerprint(cert)
+
+    assert re.fullmatch(r"(?:[0-9A-F]{2}:){31}[0-9A-F]{2}", fingerprint)
+    assert (
+        fingerprint.replace(":", "").lower()
+        == hashlib.sha256(ssl.PEM_cert_to_DER_cert(cert_path.read_text())).hexdigest()
+    )
+
+
+# --- endpoints, URLs and the banner -----------------------------------------------------------
+@pytest.mark.parametrize(
+    "host, kwargs, expected",
+    [
+        ("127.0.0.1", {}, "tcp:port=8001:interface=127.0.0.1"),
+        ("::1", {}, r"tcp:port=8001:interface=\:\:1"),
+        (
+            "::",
+            {"certfile": Path("/d/c:rt.pem"), "keyfile": Path("/d/k=y.pem")},
+            r"ssl:port=8001:interface=\:\::privateKey=/d/k\=y.pem:certKey=/d/c\:rt.pem",
+        ),
+    ],
+)
+def test_endpoint_string_escapes_colons(host, kwargs, expected):
+    assert cli.endpoint_string(host, 8001, **kwargs) == expected
+
+
+def test_ipv6_host_in_brackets_is_accepted():
+    args = cli.build_parser().parse_args(["server", "--host", "[::1]"])
+
+    assert args.host == "::1"
+    assert cli.public_url("http", args.host, 8001) == "http://[::1]:8001"
+
+
+@pytest.mark.parametrize(
+    "url, expected",
+    [
+        ("postgres://app:s3cret@db:5432/st", "postgres://app:****@db:5432/st"),
+        ("redis://:s3cret@cache:6379/0", "redis://:****@cache:6379/0"),
+        (
+            "postgres://db/st?user=app&password=s3cret&sslmode=require",
+            "postgres://db/st?user=app&password=****&sslmode=require",
+        ),
+        ("postgres://app@db/st", "postgres://app@db/st"),
+        ("redis://cache:6379/0", "redis://cache:6379/0"),
+    ],
+)
+def test_mask_url_hides_passwords(url, expected):
+    assert cli.mask_url(url) == expected
+
+
+def test_banner_never_shows_passwords():
+    settings = SimpleNamespace(
+        DATA_DIR=Path("/srv/st"),
+        DATABASES={"default": {"ENGINE": "django.db.backends.postgresql", "NAME": "st"}},
+        DATABASE_URL="postgres://app:db-s3cret@db:5432/st",
+        REDIS_URL="redis://:redis-s3cret@cache:6379/0",
+    )
+
+    text = "\n".join(cli.banner_lines(settings=settings, url="https://h:8001", listen="0.0.0.0:8001"))
+
+    assert "s3cret" not in text
+    assert "postgresql postgres://app:****@db:5432/st" in text
+    assert "Redis redis://:****@cache:6379/0" in text
+    assert "create_api_token USERNAME --superuser" in text
+
+
+# --- packaging and Celery ---------------------------------------------------------------------
+def test_pyproject_pins_match_requirements_txt():
+    pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    requirements = {
+        line.strip()
+        for line in (REPO_ROOT / "requirements.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+
+    assert set(pyproject["dependencies"]) | set(pyproject["optional-dependencies"]["test"]) == requirements
+    assert pyproject["scripts"] == {"simpletuner": "simpletuner_site.cli:main"}
+
+
+def test_celery_app_takes_its_configuration_from_django_settings(settings):
+    from simpletuner_site.celery import app as celery_app
+
+    assert celery_app.conf.broker_url == settings.CELERY_BROKER_URL
+    assert celery_app.conf.task_ignore_result is True

@@ -1,0 +1,125 @@
+"""Set-based sweeps over the fleet; the same functions run under Celery beat and the embedded scheduler."""
+
+import logging
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import F
+from django.utils import timezone
+
+from audit import actions
+from audit.models import AuditEvent
+from audit.services import Actor
+from job_queue.models import AttemptOutcome, Job, JobAttempt, JobStatus
+
+from .models import WORKER_TRANSITIONS, Worker, WorkerStatus
+
+logger = logging.getLogger(__name__)
+
+HEALTH = Actor.system("health-sweep")
+
+
+def _audit_rows(actor, action, target_type, rows):
+    return [
+        AuditEvent(
+            actor_type=actor.type,
+            actor_id=actor.id,
+            actor_name=actor.name,
+            action=action,
+            target_type=target_type,
+            target_id=target_id,
+            details=details,
+        )
+        for target_id, details in rows
+    ]
+
+
+def sweep_stale_workers(*, now=None, actor=HEALTH):
+    """Take workers silent for longer than the heartbeat timeout offline and recover their jobs.
+
+    A job they held that was never acknowledged goes back to the queue without spending a retry; a
+    running one is requeued while retries remain, else failed with the reason. Runs a fixed number
+    of queries whatever the fleet size; rows locked by a concurrent request or sweep are skipped and
+    picked up by the next run. Return ``{"workers": n, "requeued": n, "failed": n}``.
+    """
+    now = now or timezone.now()
+    timeout = settings.SIMPLETUNER["HEARTBEAT_TIMEOUT"]
+    cutoff = now - timedelta(seconds=timeout)
+    going_offline = WORKER_TRANSITIONS[WorkerStatus.OFFLINE]
+    reason = f"no heartbeat for {timeout:g} s"
+    with transaction.atomic():
+        stale = list(
+            Worker.objects.select_for_update(skip_locked=True)
+            .filter(status__in=going_offline, last_heartbeat__lt=cutoff)
+            .values_list("pk", "status")
+        )
+        if not stale:
+            return {"workers": 0, "requeued": 0, "failed": 0}
+        worker_ids = [pk for pk, _ in stale]
+        jobs = list(
+            Job.objects.select_for_update(skip_locked=True)
+            .filter(worker_id__in=worker_ids, status__in=[JobStatus.DISPATCHED, JobStatus.RUNNING])
+            .values_list("pk", "status", "worker_id", "lease_id", "retry_count", "max_retries", "attempt_count")
+        )
+        unacked = [j for j in jobs if j[1] == JobStatus.DISPATCHED]
+        retry = [j for j in jobs if j[1] == JobStatus.RUNNING and j[4] < j[5]]
+        exhausted = [j for j in jobs if j[1] == JobStatus.RUNNING and j[4] >= j[5]]
+        back_to_queue = {"worker": None, "lease_id": None, "dispatched_at": None, "started_at": None}
+
+        Worker.objects.filter(pk__in=worker_ids, status__in=going_offline).update(
+            status=WorkerStatus.OFFLINE, current_job=None, status_changed_at=now
+        )
+        Job.objects.filter(pk__in=[j[0] for j in unacked], status=JobStatus.DISPATCHED).update(
+            status=JobStatus.QUEUED, last_error=f"worker lost before acknowledging: {reason}", **back_to_queue
+        )
+        Job.objects.filter(pk__in=[j[0] for j in retry], status=JobStatus.RUNNING).update(
+            status=JobStatus.QUEUED, retry_count=F("retry_count") + 1, last_error=f"worker lost: {reason}", **back_to_queue
+        )
+        Job.objects.filter(pk__in=[j[0] for j in exhausted], status=JobStatus.RUNNING).update(
+            status=JobStatus.FAILED,
+            finished_at=now,
+            last_error=f"worker lost: {reason}; retries exhausted",
+        )
+        JobAttempt.objects.filter(lease_id__in=[j[3] for j in unacked], outcome="").update(
+            outcome=AttemptOutcome.UNACKNOWLEDGED, error=reason, finished_at=now
+        )
+        JobAttempt.objects.filter(lease_id__in=[j[3] for j in retry + exhausted], outcome="").update(
+            outcome=AttemptOutcome.LOST, error=reason, finished_at=now
+        )
+
+        audit = _audit_rows(
+            actor,
+            actions.WORKER_STATUS_CHANGED,
+            "worker",
+            [(pk, {"from": status, "to": WorkerStatus.OFFLINE, "reason": reason}) for pk, status in stale],
+        )
+        for group, to, spent in ((unacked, JobStatus.QUEUED, False), (retry, JobStatus.QUEUED, True), (exhausted, JobStatus.FAILED, False)):
+            audit += _audit_rows(
+                actor,
+                actions.JOB_STATUS_CHANGED,
+                "job",
+                [
+                    (j[0], {"from": j[1], "to": to, "reason": f"worker {j[2]} lost: {reason}", "attempt": j[6], "worker": j[2]})
+                    for j in group
+                ],
+            )
+            if to == JobStatus.QUEUED:
+                audit += _audit_rows(
+                    actor,
+                    actions.JOB_REQUEUED,
+                    "job",
+                    [
+                        (j[0], {"reason": reason, "retry_spent": spent, "retry_count": j[4] + spent, "max_retries": j[5], "previous_worker": j[2]})
+                        for j in group
+                    ],
+                )
+        AuditEvent.objects.bulk_create(audit)
+
+        if unacked or retry:
+            from job_queue.services import dispatch_pending
+
+            transaction.on_commit(dispatch_pending, robust=True)
+    result = {"workers": len(stale), "requeued": len(unacked) + len(retry), "failed": len(exhausted)}
+    logger.info("health sweep: %(workers)d worker(s) offline, %(requeued)d job(s) requeued, %(failed)d failed", result)
+    return result

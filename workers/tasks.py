@@ -1,0 +1,10 @@
+"""Celery tasks: thin wrappers that run the sweeps under Celery beat."""
+
+from celery import shared_task
+
+from . import sweeps
+
+
+@shared_task(name="workers.sweep_stale_workers", ignore_result=True)
+def sweep_stale_workers():
+    return sweeps.sweep_stale_workers()
