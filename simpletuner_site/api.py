@@ -37,8 +37,18 @@ def exception_handler(exc, context):
         response.data = error_body("invalid", "The request is invalid; see errors.", errors=exc.detail)
     else:
         detail = response.data.get("detail", str(exc)) if isinstance(response.data, dict) else str(exc)
-        response.data = error_body(_DRF_CODES.get(response.status_code, "error"), str(detail))
+        code = _DRF_CODES.get(response.status_code) or getattr(exc, "default_code", None) or "error"
+        response.data = error_body(code, str(detail))
     return response
+
+
+def not_found(request, exception=None):
+    """JSON 404 for unknown API paths (Django's HTML page elsewhere)."""
+    if request.path.startswith("/api/"):
+        return error_response("not_found", f"no endpoint at {request.path}", 404)
+    from django.views.defaults import page_not_found
+
+    return page_not_found(request, exception)
 
 
 def client_ip(request):

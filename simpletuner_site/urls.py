@@ -11,3 +11,5 @@ urlpatterns = [
     path("api/audit/", include("audit.api.urls")),
     path("api-auth/", include("rest_framework.urls")),
 ]
+
+handler404 = "simpletuner_site.api.not_found"

@@ -411,7 +411,10 @@ def worker_heartbeat(*, worker_id, data, actor):
 
 
 def worker_disconnect(*, worker_id, actor, reason="agent disconnected"):
-    """Take the worker offline; a job it held goes back to the queue by the retry rules."""
+    """Take the worker offline; a job it held goes back to the queue by the retry rules.
+
+    A worker that never registered stays ``connecting``: there is no session to end.
+    """
     from job_queue import services as job_services
 
     with transaction.atomic():
@@ -420,7 +423,7 @@ def worker_disconnect(*, worker_id, actor, reason="agent disconnected"):
             job = job_services.lock_job(worker.current_job_id)
             if job is not None:
                 job_services.job_release_from_worker(job=job, worker=worker, actor=actor, reason=reason)
-        if worker.status != WorkerStatus.OFFLINE:
+        if worker.status not in (WorkerStatus.OFFLINE, WorkerStatus.CONNECTING):
             worker_transition(worker=worker, to=WorkerStatus.OFFLINE, actor=actor, reason=reason, current_job=None)
         elif worker.current_job_id:
             Worker.objects.filter(pk=worker.pk).update(current_job=None)
@@ -431,7 +434,7 @@ def worker_disconnect(*, worker_id, actor, reason="agent disconnected"):
             target_id=worker.pk,
             details={"reason": reason, "worker_type": worker.worker_type},
         )
-    return {"status": WorkerStatus.OFFLINE}
+    return {"status": worker.status}
 
 
 def worker_stream_opened(*, worker_id, stream_id, replaying):

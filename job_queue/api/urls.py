@@ -5,6 +5,6 @@ from . import views
 urlpatterns = [
     re_path(r"^$", views.JobListView.as_view(), name="queue-list"),
     re_path(r"^submit/?$", views.JobSubmitView.as_view(), name="queue-submit"),
-    re_path(r"^(?P<job_id>j_[0-9a-f]+)/?$", views.JobDetailView.as_view(), name="queue-job"),
-    re_path(r"^(?P<job_id>j_[0-9a-f]+)/cancel/?$", views.JobCancelView.as_view(), name="queue-job-cancel"),
+    re_path(r"^(?P<job_id>[\w-]+)/?$", views.JobDetailView.as_view(), name="queue-job"),
+    re_path(r"^(?P<job_id>[\w-]+)/cancel/?$", views.JobCancelView.as_view(), name="queue-job-cancel"),
 ]

@@ -7,11 +7,11 @@ from rest_framework.views import APIView
 from audit.services import Actor
 from job_queue import services as job_services
 from simpletuner_site.api import client_ip
-from simpletuner_site.errors import NotFound
+from simpletuner_site.errors import InvalidInput, NotFound
 
 from .. import services
 from ..authentication import CanManageWorkers, IsWorker, WorkerTokenAuthentication
-from ..models import Worker
+from ..models import Worker, WorkerStatus
 from .serializers import (
     HeartbeatSerializer,
     JobStatusReportSerializer,
@@ -52,19 +52,28 @@ class WorkerAPIView(APIView):
 
 
 class RegisterView(WorkerAPIView):
+    REFUSALS = (exceptions.AuthenticationFailed, exceptions.NotAuthenticated, exceptions.PermissionDenied)
+
+    def audit_refusal(self, request, exc):
+        secret = request.headers.get("X-Worker-Token") or ""
+        body = request.data if isinstance(request.data, dict) else {}
+        services.worker_register_failed(
+            reason=str(exc.detail), token_prefix=secret.strip()[:6], ip=client_ip(request), name=body.get("name", "")
+        )
+
     def initial(self, request, *args, **kwargs):
         try:
             super().initial(request, *args, **kwargs)
-        except (exceptions.AuthenticationFailed, exceptions.NotAuthenticated, exceptions.PermissionDenied) as exc:
-            secret = request.headers.get("X-Worker-Token") or ""
-            body = request.data if isinstance(request.data, dict) else {}
-            services.worker_register_failed(
-                reason=str(exc.detail), token_prefix=secret.strip()[:6], ip=client_ip(request), name=body.get("name", "")
-            )
+        except self.REFUSALS as exc:
+            self.audit_refusal(request, exc)
             raise
 
     def post(self, request):
-        data = self.validated(RegisterSerializer, request.data)
+        try:
+            data = self.validated(RegisterSerializer, request.data)
+        except exceptions.PermissionDenied as exc:  # a valid token claiming another worker's id
+            self.audit_refusal(request, exc)
+            raise
         result = services.worker_register(worker_id=self.worker.pk, data=data, actor=self.actor)
         result["sse_url"] = request.build_absolute_uri(f"{STREAM_PATH}?worker_id={self.worker.pk}")
         result["heartbeat_interval"] = services.heartbeat_interval()
@@ -119,7 +128,11 @@ class AdminWorkerListView(AdminWorkerAPIView):
         workers = Worker.objects.all()
         wanted = request.query_params.get("status")
         if wanted:
-            workers = workers.filter(status__in=wanted.split(","))
+            statuses = wanted.split(",")
+            unknown = set(statuses) - set(WorkerStatus.values)
+            if unknown:
+                raise InvalidInput(f"unknown status {', '.join(sorted(unknown))}", code="invalid_filter")
+            workers = workers.filter(status__in=statuses)
         return Response({"workers": WorkerSerializer(workers, many=True).data})
 
     def post(self, request):

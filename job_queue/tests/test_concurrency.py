@@ -1,0 +1,204 @@
+"""Dispatch and reports racing each other on real PostgreSQL row locks (skipped on SQLite)."""
+
+import random
+import threading
+import time
+from collections import Counter
+
+import pytest
+from django.db import connection
+
+from audit import actions
+from audit.services import Actor
+from job_queue import services as job_services
+from job_queue.models import Job, JobAttempt, JobStatus
+from job_queue.services import dispatch_for_job, dispatch_for_worker, dispatch_pending, job_report
+from job_queue.tests.factories import JobFactory, job_on_worker
+from workers import services as worker_services
+from workers.models import Worker, WorkerStatus
+from workers.services import worker_heartbeat
+from workers.tests.factories import WorkerFactory
+from workers.tests.support import audit_rows, sent_events
+
+pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
+
+THREADS = 8
+JOBS = 20
+WORKERS = 10
+DEADLINE_S = 30
+
+
+def run_concurrently(functions):
+    """Start ``functions`` together in threads; return their results; re-raise the first error."""
+    barrier = threading.Barrier(len(functions))
+    results = [None] * len(functions)
+    errors = []
+
+    def runner(index, function):
+        try:
+            barrier.wait(timeout=DEADLINE_S)
+            results[index] = function()
+        except BaseException as exc:  # noqa: BLE001 - reported to the test below
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=runner, args=(i, f), daemon=True) for i, f in enumerate(functions)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=DEADLINE_S)
+    assert not any(t.is_alive() for t in threads), "a thread is stuck (lock wait?)"
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_concurrent_dispatchers_never_double_dispatch(postgres_url):
+    jobs = [JobFactory(priority=random.randint(0, 3)) for _ in range(JOBS)]
+    workers = WorkerFactory.create_batch(WORKERS)
+    job_ids = [j.pk for j in jobs]
+    worker_ids = [w.pk for w in workers]
+
+    # Each dispatcher makes passes until one finds nothing to do: a row another thread held
+    # (skip_locked) is tried again on the next pass, as the periodic dispatch_pending would.
+    def pending():
+        while dispatch_pending():
+            pass
+
+    def by_job():
+        while any([dispatch_for_job(job_id) for job_id in random.sample(job_ids, len(job_ids))]):
+            pass
+
+    def by_worker():
+        while any([dispatch_for_worker(worker_id) for worker_id in random.sample(worker_ids, len(worker_ids))]):
+            pass
+
+    kinds = [pending, by_job, by_worker]
+    run_concurrently([kinds[i % len(kinds)] for i in range(THREADS)])
+
+    dispatched = list(Job.objects.filter(status=JobStatus.DISPATCHED))
+    assert len(dispatched) == WORKERS
+    assert Job.objects.filter(status=JobStatus.QUEUED).count() == JOBS - WORKERS
+    # No worker holds two jobs, and each dispatched job is held by the worker it names.
+    assert len({job.worker_id for job in dispatched}) == len(dispatched)
+    holders = {w.current_job_id: w.pk for w in Worker.objects.all()}
+    assert all(holders.get(job.pk) == job.worker_id for job in dispatched)
+    assert set(Worker.objects.values_list("status", flat=True)) == {WorkerStatus.BUSY}
+    # Exactly one attempt, one audit row and one job_submit per dispatched job.
+    assert JobAttempt.objects.count() == len(dispatched)
+    assert all(job.attempt_count == 1 for job in dispatched)
+    assert len(audit_rows(actions.JOB_DISPATCHED)) == len(dispatched)
+    submits = [e for e in sent_events() if e["type"] == "job_submit"]
+    assert Counter(e["data"]["job_id"] for e in submits) == Counter({job.pk: 1 for job in dispatched})
+    assert Counter(e["channel"] for e in submits) == Counter({f"worker-{w}": 1 for w in worker_ids})
+
+
+def test_concurrent_dispatch_with_more_workers_than_jobs(postgres_url):
+    jobs = JobFactory.create_batch(5)
+    WorkerFactory.create_batch(12)
+
+    def pending():
+        while dispatch_pending():
+            pass
+
+    run_concurrently([pending] * THREADS)
+
+    assert Job.objects.filter(status=JobStatus.DISPATCHED).count() == len(jobs)
+    assert Worker.objects.filter(status=WorkerStatus.BUSY).count() == len(jobs)
+    assert JobAttempt.objects.count() == len(jobs)
+
+
+def _blocked_on_a_lock():
+    """Return True once another backend of this database waits for a row lock."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_stat_clear_snapshot()")  # the view is otherwise frozen per transaction
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
+        )
+        return cursor.fetchone()[0] > 0
+
+
+def test_status_report_and_heartbeat_of_one_worker_do_not_deadlock(postgres_url, monkeypatch):
+    """The agent's heartbeat (worker row, then its job) and its status report race.
+
+    The heartbeat is held right after it locks the worker until the report is blocked behind it;
+    both must then complete (lock order worker -> job everywhere), not die in a deadlock.
+    """
+    worker = WorkerFactory()
+    job = job_on_worker(worker, status=JobStatus.RUNNING)
+    actor = Actor.for_worker(worker)
+    heartbeat_holds_worker = threading.Event()
+    heartbeat_thread = []
+    real_lock_worker = worker_services._lock_worker
+
+    def lock_worker_then_wait(worker_id):
+        locked = real_lock_worker(worker_id)
+        if threading.current_thread() in heartbeat_thread:
+            heartbeat_holds_worker.set()
+            deadline = time.monotonic() + DEADLINE_S
+            while not _blocked_on_a_lock():
+                assert time.monotonic() < deadline, "the status report never blocked"
+                time.sleep(0.005)
+        return locked
+
+    monkeypatch.setattr(worker_services, "_lock_worker", lock_worker_then_wait)
+
+    def heartbeat():
+        heartbeat_thread.append(threading.current_thread())
+        return worker_heartbeat(
+            worker_id=worker.pk, data={"current_job_id": job.pk, "progress": {"step": 7}}, actor=actor
+        )
+
+    def report():
+        assert heartbeat_holds_worker.wait(DEADLINE_S)
+        return job_report(worker_id=worker.pk, job_id=job.pk, data={"status": "completed"}, actor=actor)
+
+    beat, reported = run_concurrently([heartbeat, report])
+
+    assert beat["current_job_id"] == job.pk
+    assert reported == {"job_id": job.pk, "status": "completed", "accepted": True}
+    job.refresh_from_db()
+    worker.refresh_from_db()
+    assert job.status == JobStatus.COMPLETED
+    assert (worker.status, worker.current_job_id) == (WorkerStatus.IDLE, None)
+
+
+def test_register_and_status_report_of_one_worker_do_not_deadlock(postgres_url, monkeypatch):
+    """A restarting agent re-registers (worker row, then its job) while its last report is in flight."""
+    worker = WorkerFactory()
+    job = job_on_worker(worker, status=JobStatus.RUNNING)
+    actor = Actor.for_worker(worker)
+    register_holds_worker = threading.Event()
+    register_thread = []
+    real_lock_worker = worker_services._lock_worker
+
+    def lock_worker_then_wait(worker_id):
+        locked = real_lock_worker(worker_id)
+        if threading.current_thread() in register_thread:
+            register_holds_worker.set()
+            deadline = time.monotonic() + DEADLINE_S
+            while not _blocked_on_a_lock():
+                assert time.monotonic() < deadline, "the status report never blocked"
+                time.sleep(0.005)
+        return locked
+
+    monkeypatch.setattr(worker_services, "_lock_worker", lock_worker_then_wait)
+
+    def register():
+        register_thread.append(threading.current_thread())
+        return worker_services.worker_register(worker_id=worker.pk, data={"current_job_id": job.pk}, actor=actor)
+
+    def report():
+        assert register_holds_worker.wait(DEADLINE_S)
+        return job_services.job_report(
+            worker_id=worker.pk, job_id=job.pk, data={"status": "running", "progress": 0.5}, actor=actor
+        )
+
+    registered, reported = run_concurrently([register, report])
+
+    assert registered["resume_job"]["job_id"] == job.pk
+    assert reported["status"] == "running"
+    job.refresh_from_db()
+    assert (job.status, job.progress) == (JobStatus.RUNNING, {"fraction": 0.5})

@@ -1,0 +1,250 @@
+"""Operators' queue API: submit, list, inspect, cancel (Authorization: Bearer sta_...)."""
+
+import pytest
+
+from audit import actions
+from job_queue.models import AttemptOutcome, Job, JobAttempt, JobStatus
+from job_queue.tests.factories import JobFactory, job_on_worker
+from workers.models import WorkerStatus
+from workers.tests.factories import WorkerFactory, worker_token
+from workers.tests.support import audit_rows, sent_events
+
+pytestmark = pytest.mark.django_db
+
+SUBMIT = "/api/queue/submit"
+LIST = "/api/queue/"
+
+
+def _reload(obj):
+    obj.refresh_from_db()
+    return obj
+
+
+# --- submit -----------------------------------------------------------------------------------------
+
+
+def test_submit_dispatches_to_an_available_worker(user_client, commit):
+    worker = WorkerFactory(gpu_count=2, labels={"gpu_type": "a100"})
+
+    with commit():
+        response = user_client.post(
+            SUBMIT,
+            {
+                "config_name": "my-training-config",
+                "config": {"model_type": "lora", "num_processes": 2},
+                "dataloader": [{"id": "pics"}],
+                "target": "worker",
+                "worker_labels": {"gpu_type": "a100*"},
+                "priority": 3,
+            },
+        )
+
+    assert response.status_code == 201
+    body = response.json()
+    assert body["dispatched"] is True
+    job = Job.objects.get()
+    assert body["job_id"] == body["id"] == job.pk
+    assert (body["status"], body["worker_id"], body["gpu_count"], body["priority"]) == ("dispatched", worker.pk, 2, 3)
+    assert body["waiting_reason"] is None
+    assert (job.status, job.worker_id, job.worker_labels) == (JobStatus.DISPATCHED, worker.pk, {"gpu_type": "a100*"})
+    (event,) = sent_events(worker.pk)
+    assert event["type"] == "job_submit"
+    assert event["data"]["config"] == {"model_type": "lora", "num_processes": 2}
+    assert event["data"]["dataloader"] == [{"id": "pics"}]
+    assert isinstance(event["data"]["upload_endpoint"], str)
+    assert audit_rows(actions.JOB_SUBMITTED, target_id=job.pk)
+
+
+def test_submit_with_no_worker_queues_and_says_why(user_client, commit):
+    with commit():
+        response = user_client.post(SUBMIT, {"config_name": "my-config"})
+
+    assert response.status_code == 201
+    body = response.json()
+    assert (body["dispatched"], body["status"]) == (False, "queued")
+    assert body["waiting_reason"] == "no worker is registered"
+    assert (body["target"], body["max_retries"], body["retry_on_failure"]) == ("worker", 3, False)
+
+
+@pytest.mark.parametrize(
+    ("config", "gpu_count", "expected"),
+    [
+        ({"num_processes": 4}, None, 4),
+        ({"--num_processes": "2"}, None, 2),
+        ({"num_processes": 4}, 1, 1),
+        ({}, None, 0),
+        ({"num_processes": ""}, None, 0),
+    ],
+)
+def test_gpu_count_defaults_to_the_config_num_processes(user_client, config, gpu_count, expected):
+    body = {"config_name": "c", "config": config}
+    if gpu_count is not None:
+        body["gpu_count"] = gpu_count
+
+    response = user_client.post(SUBMIT, body)
+
+    assert response.status_code == 201
+    assert response.json()["gpu_count"] == expected
+    assert Job.objects.get().gpu_count == expected
+
+
+def test_job_needing_more_gpus_than_any_worker_waits_with_a_reason(user_client):
+    WorkerFactory(gpu_count=2)
+
+    body = user_client.post(SUBMIT, {"config_name": "big", "config": {"num_processes": 8}}).json()
+
+    assert (body["dispatched"], body["status"]) == (False, "queued")
+    assert body["waiting_reason"] == "no worker has >= 8 GPUs (the most any has is 2)"
+
+
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        ({}, "invalid"),
+        ({"config_name": ""}, "invalid"),
+        ({"config_name": "c", "target": "moon"}, "invalid"),
+        ({"config_name": "c", "worker_labels": ["a100"]}, "invalid"),
+        ({"config_name": "c", "config": "not-an-object"}, "invalid"),
+        ({"config_name": "c", "dataloader": "pics"}, "invalid"),
+        ({"config_name": "c", "gpu_count": -1}, "invalid"),
+        ({"config_name": "c", "priority": 10_000}, "invalid"),
+        ({"config_name": "c", "config": {"num_processes": "many"}}, "invalid_config"),
+        ({"config_name": "c", "config": {"num_processes": -2}}, "invalid_config"),
+    ],
+)
+def test_bad_submission_is_400_json_and_creates_nothing(user_client, body, code):
+    WorkerFactory()
+
+    response = user_client.post(SUBMIT, body)
+
+    assert response.status_code == 400
+    assert response.json()["code"] == code
+    assert response.json()["detail"]
+    assert Job.objects.count() == 0
+    assert audit_rows() == []
+    assert sent_events() == []
+
+
+def test_submit_without_credentials_is_401(api_client):
+    response = api_client.post(SUBMIT, {"config_name": "c"})
+
+    assert response.status_code == 401
+    assert set(response.json()) == {"code", "detail"}
+    assert response.json()["code"] == "not_authenticated"
+    assert Job.objects.count() == 0
+
+
+def test_a_worker_token_cannot_submit_jobs(api_client):
+    api_client.credentials(HTTP_X_WORKER_TOKEN=worker_token(WorkerFactory()))
+
+    assert api_client.post(SUBMIT, {"config_name": "c"}).status_code == 401
+    assert Job.objects.count() == 0
+
+
+def test_an_invalid_bearer_token_is_401(api_client):
+    api_client.credentials(HTTP_AUTHORIZATION="Bearer sta_not-a-token")
+
+    response = api_client.post(SUBMIT, {"config_name": "c"})
+
+    assert response.status_code == 401
+    assert response.json()["code"] == "not_authenticated"
+
+
+# --- list and detail --------------------------------------------------------------------------------
+
+
+def test_list_filters_by_status(user_client):
+    queued = JobFactory()
+    running = job_on_worker(WorkerFactory())
+    JobFactory(status=JobStatus.COMPLETED)
+
+    def ids(query):
+        response = user_client.get(LIST, query)
+        assert response.status_code == 200
+        return {job["id"] for job in response.json()["results"]}
+
+    assert ids({"status": "queued"}) == {queued.pk}
+    assert ids({"status": "queued,running"}) == {queued.pk, running.pk}
+    assert len(ids({})) == 3
+
+
+def test_list_with_an_unknown_status_is_400(user_client):
+    response = user_client.get(LIST, {"status": "queued,exploded"})
+
+    assert response.status_code == 400
+    assert response.json()["code"] == "invalid_filter"
+
+
+def test_detail_shows_attempts_and_waiting_reason(user_client):
+    worker = WorkerFactory()
+    job = job_on_worker(worker)
+
+    body = user_client.get(f"/api/queue/{job.pk}").json()
+
+    assert (body["id"], body["status"], body["worker_id"], body["waiting_reason"]) == (
+        job.pk,
+        "running",
+        worker.pk,
+        None,
+    )
+    assert [(a["number"], a["lease_id"], a["worker_id"]) for a in body["attempts"]] == [(1, job.lease_id, worker.pk)]
+    assert user_client.get("/api/queue/j_0000000000000000").json()["code"] == "not_found"
+
+
+# --- cancel -----------------------------------------------------------------------------------------
+
+
+def test_cancel_a_queued_job(user_client, commit):
+    job = JobFactory()
+
+    with commit():
+        response = user_client.post(f"/api/queue/{job.pk}/cancel")
+
+    assert response.status_code == 200
+    assert response.json()["status"] == "cancelled"
+    job = _reload(job)
+    assert (job.status, job.finished_at is not None) == (JobStatus.CANCELLED, True)
+    assert sent_events() == []
+    (requested,) = audit_rows(actions.JOB_CANCEL_REQUESTED, target_id=job.pk)
+    assert requested.details["status"] == "queued"
+
+
+@pytest.mark.parametrize("status", [JobStatus.DISPATCHED, JobStatus.RUNNING])
+def test_cancel_an_active_job_tells_its_worker_and_keeps_the_worker_busy(user_client, commit, status):
+    worker = WorkerFactory()
+    job = job_on_worker(worker, status=status)
+
+    with commit():
+        response = user_client.post(f"/api/queue/{job.pk}/cancel")
+
+    assert response.status_code == 200
+    assert _reload(job).status == JobStatus.CANCELLED
+    assert JobAttempt.objects.get(job=job).outcome == AttemptOutcome.CANCELLED
+    assert sent_events(worker.pk) == [
+        {
+            "channel": f"worker-{worker.pk}",
+            "type": "job_cancel",
+            "data": {"type": "job_cancel", "job_id": job.pk, "attempt": job.lease_id},
+        }
+    ]
+    # Freed only when the agent reports that the process has stopped.
+    assert (_reload(worker).status, worker.current_job_id) == (WorkerStatus.BUSY, job.pk)
+
+
+@pytest.mark.parametrize("status", [JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED])
+def test_cancel_a_finished_job_is_409(user_client, status):
+    job = JobFactory(status=status)
+
+    response = user_client.post(f"/api/queue/{job.pk}/cancel")
+
+    assert response.status_code == 409
+    assert response.json()["code"] == "job_finished"
+    assert _reload(job).status == status
+    assert audit_rows() == []
+
+
+def test_cancel_an_unknown_job_is_404(user_client):
+    response = user_client.post("/api/queue/j_0000000000000000/cancel")
+
+    assert response.status_code == 404
+    assert response.json()["code"] == "not_found"

@@ -1,0 +1,73 @@
+"""worker_transition enforces WORKER_TRANSITIONS over every (from, to) pair, and audits each change."""
+
+import itertools
+
+import pytest
+
+from audit import actions
+from audit.services import Actor
+from simpletuner_site.errors import InvalidTransition
+from workers.models import WORKER_TRANSITIONS, Worker, WorkerStatus
+from workers.services import worker_transition
+from workers.tests.factories import WorkerFactory
+from workers.tests.support import audit_rows
+
+pytestmark = pytest.mark.django_db
+
+ACTOR = Actor.system("test")
+PAIRS = list(itertools.product(WorkerStatus.values, repeat=2))
+ALLOWED = [(before, after) for before, after in PAIRS if before in WORKER_TRANSITIONS[after]]
+FORBIDDEN = [(before, after) for before, after in PAIRS if before not in WORKER_TRANSITIONS[after]]
+
+
+def test_every_pair_is_either_allowed_or_forbidden():
+    assert len(ALLOWED) + len(FORBIDDEN) == len(WorkerStatus.values) ** 2
+    assert FORBIDDEN, "a table that allows everything guards nothing"
+
+
+@pytest.mark.parametrize(("before", "after"), FORBIDDEN)
+def test_forbidden_transition_raises_and_changes_nothing(before, after):
+    worker = WorkerFactory(status=before, gpu_name="original")
+    changed_at = Worker.objects.get(pk=worker.pk).status_changed_at
+
+    with pytest.raises(InvalidTransition):
+        worker_transition(worker=worker, to=after, actor=ACTOR, gpu_name="changed")
+
+    stored = Worker.objects.get(pk=worker.pk)
+    assert (stored.status, stored.gpu_name, stored.status_changed_at) == (before, "original", changed_at)
+    assert audit_rows() == []
+
+
+@pytest.mark.parametrize(("before", "after"), ALLOWED)
+def test_allowed_transition_writes_status_fields_and_one_audit_row_when_status_changes(before, after):
+    worker = WorkerFactory(status=before, gpu_name="original")
+
+    returned = worker_transition(worker=worker, to=after, actor=ACTOR, reason="because", gpu_name="changed")
+
+    stored = Worker.objects.get(pk=worker.pk)
+    assert (stored.status, stored.gpu_name) == (after, "changed")
+    assert (returned.status, returned.gpu_name) == (after, "changed")
+    rows = audit_rows(actions.WORKER_STATUS_CHANGED, target_id=worker.pk)
+    if before == after:
+        assert rows == []
+    else:
+        (row,) = rows
+        assert row.details == {"from": before, "to": after, "reason": "because"}
+        assert (row.actor_type, row.actor_name, row.success) == ("system", "test", True)
+    assert len(audit_rows()) == len(rows)
+
+
+def test_transition_from_a_stale_copy_is_refused():
+    """Another process moved the worker since it was read: the guarded update matches no row."""
+    worker = WorkerFactory(status=WorkerStatus.IDLE)
+    Worker.objects.filter(pk=worker.pk).update(status=WorkerStatus.OFFLINE)
+
+    with pytest.raises(InvalidTransition):
+        worker_transition(worker=worker, to=WorkerStatus.BUSY, actor=ACTOR)
+
+    assert Worker.objects.get(pk=worker.pk).status == WorkerStatus.OFFLINE
+    assert audit_rows() == []
+
+
+def test_no_transition_leads_back_to_connecting():
+    assert WORKER_TRANSITIONS[WorkerStatus.CONNECTING] == frozenset()
