@@ -1,0 +1,1 @@
+"""End-to-end tests: a real daphne orchestrator, real HTTP and real SSE streams."""
