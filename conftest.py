@@ -4,6 +4,9 @@ import os
 
 import pytest
 
+# The API clients, operators and commit helper used by the workers, job_queue and audit suites.
+pytest_plugins = ["workers.tests.support"]
+
 
 def require_service(name, env_var):
     """Skip (or, under CI=true, fail) unless ``env_var`` names the service the test needs."""

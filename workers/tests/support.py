@@ -1,6 +1,6 @@
 """Fixtures and helpers shared by the workers, job_queue and audit test suites.
 
-Each app's ``tests/conftest.py`` imports the fixtures it uses from here by name.
+The root conftest.py loads this module as a pytest plugin, so every suite sees its fixtures.
 """
 
 import json
