@@ -61,6 +61,7 @@ class StreamPrincipal:
         self.worker_id = worker_id
         self.channels = frozenset({worker_channel(worker_id)})
         self.revoked = False
+        self.revoked_reason = ""
 
 
 class WorkerChannelManager(ChannelManagerBase):
@@ -101,6 +102,7 @@ class WorkerListenerManager(es_views.ListenerManager):
             ]
             for listener in doomed:
                 listener.principal.revoked = True
+                listener.principal.revoked_reason = reason or "access revoked"
                 listener.overflow = True
         for listener in doomed:
             listener.wake_threadsafe()

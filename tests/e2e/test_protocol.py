@@ -159,6 +159,9 @@ def test_token_rotation_closes_stream_and_refuses_old_token(orchestrator, fleet)
 
     assert stream.wait_closed() == "server closed the stream"
     assert not stream.received("job_submit")
+    # The stream ends with a typed event the agent understands, not the library's untyped error.
+    assert [e.json() for e in stream.received("shutdown")] == [{"type": "shutdown", "reason": "token rotated"}]
+    assert not stream.received("stream-error")
 
     for method, path, body in (
         ("POST", "/api/workers/heartbeat", {"worker_id": worker.id, "status": "idle", "current_job_id": None}),

@@ -6,6 +6,7 @@ connection (see ``simpletuner_site.asgi`` for the handler that skips the per-req
 """
 
 import logging
+import re
 import uuid
 
 from asgiref.sync import sync_to_async
@@ -13,12 +14,12 @@ from django.db import close_old_connections, connection
 from django.http import StreamingHttpResponse
 from django_eventstream.eventrequest import EventRequest
 from django_eventstream.eventstream import get_current_event_id
-from django_eventstream.utils import parse_last_event_id
+from django_eventstream.utils import parse_last_event_id, sse_encode_event
 from django_eventstream.views import Listener, stream
 
 from simpletuner_site.api import client_ip, error_response
 
-from .. import services
+from .. import events, services
 from ..authentication import WORKER_TOKEN_HEADER
 from ..events import StreamPrincipal, worker_channel
 from ..models import TokenKind
@@ -37,6 +38,21 @@ def _released(fn):
             connection.close()
 
     return sync_to_async(wrapper, thread_sensitive=False)
+
+
+_STREAM_RESET = re.compile(r"(event: stream-reset\n(?:id: [^\n]*\n)?data: )\{")
+
+
+def typed_stream_reset(chunk):
+    """Give the library's ``stream-reset`` event (unknown Last-Event-ID) a ``type`` like every other event."""
+    if "event: stream-reset" not in chunk:
+        return chunk
+    return _STREAM_RESET.sub(r'\1{"type": "stream-reset", ', chunk)
+
+
+def sse_shutdown(reason):
+    """Return the SSE text of a ``shutdown`` event telling the agent why its stream ends."""
+    return sse_encode_event(events.SHUTDOWN, {"type": events.SHUTDOWN, "reason": reason}, json_encode=True)
 
 
 @_released
@@ -96,7 +112,12 @@ async def worker_stream(request):
     async def body():
         try:
             async for chunk in stream(event_request, listener):
-                yield chunk
+                if principal.revoked:
+                    # The library ends a revoked stream with an untyped `stream-error`; agents read
+                    # only typed data, so say it as a `shutdown` they understand, then close.
+                    yield sse_shutdown(principal.revoked_reason)
+                    return
+                yield typed_stream_reset(chunk)
         finally:
             await _close(worker_id, stream_id)
             logger.info("stream closed for worker %s", worker_id)
