@@ -120,6 +120,30 @@ def _blocked_on_a_lock():
         return cursor.fetchone()[0] > 0
 
 
+def hold_worker_lock_until_another_waits(monkeypatch):
+    """Patch the worker row lock so the calling thread, once registered, keeps it until another blocks.
+
+    Return ``(enlist, holding)``: call ``enlist()`` in the thread that should hold the lock;
+    ``holding`` is set once it holds it.
+    """
+    holding = threading.Event()
+    holders = []
+    real_lock_worker = worker_services._lock_worker
+
+    def lock_worker_then_wait(worker_id):
+        locked = real_lock_worker(worker_id)
+        if threading.current_thread() in holders:
+            holding.set()
+            deadline = time.monotonic() + DEADLINE_S
+            while not _blocked_on_a_lock():
+                assert time.monotonic() < deadline, "the status report never blocked"
+                time.sleep(0.005)
+        return locked
+
+    monkeypatch.setattr(worker_services, "_lock_worker", lock_worker_then_wait)
+    return (lambda: holders.append(threading.current_thread())), holding
+
+
 def test_status_report_and_heartbeat_of_one_worker_do_not_deadlock(postgres_url, monkeypatch):
     """The agent's heartbeat (worker row, then its job) and its status report race.
 
@@ -129,24 +153,10 @@ def test_status_report_and_heartbeat_of_one_worker_do_not_deadlock(postgres_url,
     worker = WorkerFactory()
     job = job_on_worker(worker, status=JobStatus.RUNNING)
     actor = Actor.for_worker(worker)
-    heartbeat_holds_worker = threading.Event()
-    heartbeat_thread = []
-    real_lock_worker = worker_services._lock_worker
-
-    def lock_worker_then_wait(worker_id):
-        locked = real_lock_worker(worker_id)
-        if threading.current_thread() in heartbeat_thread:
-            heartbeat_holds_worker.set()
-            deadline = time.monotonic() + DEADLINE_S
-            while not _blocked_on_a_lock():
-                assert time.monotonic() < deadline, "the status report never blocked"
-                time.sleep(0.005)
-        return locked
-
-    monkeypatch.setattr(worker_services, "_lock_worker", lock_worker_then_wait)
+    enlist, heartbeat_holds_worker = hold_worker_lock_until_another_waits(monkeypatch)
 
     def heartbeat():
-        heartbeat_thread.append(threading.current_thread())
+        enlist()
         return worker_heartbeat(
             worker_id=worker.pk, data={"current_job_id": job.pk, "progress": {"step": 7}}, actor=actor
         )
@@ -170,24 +180,10 @@ def test_register_and_status_report_of_one_worker_do_not_deadlock(postgres_url, 
     worker = WorkerFactory()
     job = job_on_worker(worker, status=JobStatus.RUNNING)
     actor = Actor.for_worker(worker)
-    register_holds_worker = threading.Event()
-    register_thread = []
-    real_lock_worker = worker_services._lock_worker
-
-    def lock_worker_then_wait(worker_id):
-        locked = real_lock_worker(worker_id)
-        if threading.current_thread() in register_thread:
-            register_holds_worker.set()
-            deadline = time.monotonic() + DEADLINE_S
-            while not _blocked_on_a_lock():
-                assert time.monotonic() < deadline, "the status report never blocked"
-                time.sleep(0.005)
-        return locked
-
-    monkeypatch.setattr(worker_services, "_lock_worker", lock_worker_then_wait)
+    enlist, register_holds_worker = hold_worker_lock_until_another_waits(monkeypatch)
 
     def register():
-        register_thread.append(threading.current_thread())
+        enlist()
         return worker_services.worker_register(worker_id=worker.pk, data={"current_job_id": job.pk}, actor=actor)
 
     def report():
