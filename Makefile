@@ -6,7 +6,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8001
 PYTEST_ARGS ?=
 
-.PHONY: install run token test bench clean
+.PHONY: install run token test bench demo agent-wheel clean
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,17 @@ token: install
 ## The whole test suite (PostgreSQL/Redis tests run when DATABASE_URL/REDIS_URL are set)
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+## A whole fleet on this machine: orchestrator + 2 labelled agents + the built-in local worker, 5 jobs to completion
+demo: install
+	$(PY) scripts/demo.py
+
+## The agent's own wheel (requests, psutil, nvidia-ml-py only) into dist/, to install on GPU nodes
+agent-wheel: install
+	rm -rf build/agent && mkdir -p build && cp -r worker_agent build/agent && rm -rf build/agent/__pycache__
+	$(PY) -m pip wheel --quiet --no-deps --no-build-isolation -w dist build/agent
+	rm -rf build/agent
+	@ls dist/simpletuner_worker_agent-*.whl
 
 ## Benchmarks (see BENCHMARKS.md)
 bench: install

@@ -9,6 +9,7 @@ WORKER_DRAIN_REQUESTED = "worker.drain_requested"
 WORKER_DISCONNECTED = "worker.disconnected"
 WORKER_TOKEN_ROTATED = "worker.token_rotated"
 WORKER_STREAM_REFUSED = "worker.stream_refused"
+LOCAL_WORKER_PROVISIONED = "worker.local_provisioned"
 
 API_TOKEN_CREATED = "api_token.created"
 

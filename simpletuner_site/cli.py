@@ -1,4 +1,4 @@
-"""The `simpletuner` console script: `simpletuner server` runs the orchestrator under daphne."""
+"""The `simpletuner` console script: `simpletuner server` runs the orchestrator, `simpletuner worker` the agent."""
 
 import argparse
 import datetime
@@ -110,6 +110,55 @@ def public_url(scheme, host, port):
     return f"{scheme}://{host}:{port}"
 
 
+def _url(scheme, host, port):
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+
+
+def loopback_host(host):
+    """Return the address the built-in local worker dials to reach a server listening on ``host``.
+
+    A wildcard address listens on loopback too; a specific address or host name listens only there.
+    """
+    ip = _ip(host)
+    if ip is None:
+        return "127.0.0.1" if host.lower() == "localhost" else host  # Twisted binds a host name over IPv4
+    if ip.is_unspecified:
+        return "127.0.0.1" if ip.version == 4 else "::1"
+    return host
+
+
+def _cert_names(cert):
+    """Return (IP addresses, DNS names) of ``cert``'s subject alternative names."""
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return set(), []
+    return set(san.get_values_for_type(x509.IPAddress)), san.get_values_for_type(x509.DNSName)
+
+
+def local_worker_endpoint(host, port, *, cert=None, certfile=None):
+    """Return ``(url, ca_cert)``: how the built-in local worker reaches a server listening on ``host``.
+
+    Without ``cert`` the URL is plain HTTP to the loopback address. Over TLS it names a host the
+    certificate covers: that address if it does, else ``localhost`` (for a loopback address), else the
+    certificate's first DNS name. ``ca_cert`` is ``certfile`` when the certificate is self-signed (the
+    agent trusts exactly it), else None (the agent uses the system's trust store).
+    """
+    address = loopback_host(host)
+    if cert is None:
+        return _url("http", address, port), None
+    ips, dns_names = _cert_names(cert)
+    ip = _ip(address)
+    if ip in ips if ip is not None else address.lower() in {name.lower() for name in dns_names}:
+        name = address
+    elif ip is not None and ip.is_loopback and "localhost" in dns_names:
+        name = "localhost"
+    else:
+        name = next((dns for dns in dns_names if not dns.startswith("*")), address)
+    ca_cert = certfile if cert.issuer == cert.subject else None
+    return _url("https", name, port), ca_cert
+
+
 # --- TLS ------------------------------------------------------------------------------------
 def cert_fingerprint(cert):
     """Return the SHA-256 fingerprint of ``cert`` as colon-separated upper-case hex, as openssl prints it."""
@@ -136,7 +185,7 @@ def load_tls_pair(certfile, keyfile):
 
 
 def _subject_alt_names(host):
-    names = ["localhost", "127.0.0.1", socket.gethostname()]
+    names = ["localhost", "127.0.0.1", "::1", socket.gethostname()]
     ip = _ip(host)
     if ip is None or not ip.is_unspecified:
         names.append(host)
@@ -221,8 +270,11 @@ def ensure_self_signed_cert(tls_dir, host):
 
 
 # --- the `server` subcommand ----------------------------------------------------------------
-def banner_lines(*, settings, url, listen, cert_path=None, fingerprint=None, cert_note=""):
-    """Return the start-up banner; every URL in it has its password masked."""
+def banner_lines(*, settings, url, listen, cert_path=None, fingerprint=None, cert_note="", local_worker=None):
+    """Return the start-up banner; every URL in it has its password masked.
+
+    ``local_worker`` is the built-in local worker's name, or None when it is disabled.
+    """
     database = settings.DATABASES["default"]
     if database["ENGINE"].endswith("sqlite3"):
         db_line = f"SQLite {database['NAME']}"
@@ -239,6 +291,10 @@ def banner_lines(*, settings, url, listen, cert_path=None, fingerprint=None, cer
         f"  Database     {db_line}",
         f"  Mode         {mode_line}",
     ]
+    if local_worker is None:
+        lines.append("  Local worker disabled (--no-local-worker: jobs with target local wait)")
+    else:
+        lines.append(f"  Local worker {local_worker} (jobs with target local/auto; --no-local-worker to disable)")
     if cert_path is not None:
         lines.append(f"  TLS cert     {cert_path}{cert_note}")
         lines.append(f"  SHA-256      {fingerprint}")
@@ -276,13 +332,20 @@ def add_server_command(subcommands):
         action="store_true",
         help="take the client address and scheme from X-Forwarded-For/-Port/-Proto (behind a reverse proxy only)",
     )
+    parser.add_argument(
+        "--no-local-worker",
+        dest="local_worker",
+        action="store_false",
+        help="do not start the built-in local worker (the agent on this machine). Jobs with target local "
+        "run only on it and wait without it; auto jobs prefer an idle matching remote worker and fall back to it",
+    )
     parser.add_argument("--access-log", action="store_true", help="log every request to stdout")
     parser.add_argument(
         "-v",
         "--verbose",
         action="count",
         default=0,
-        help="-v: migration output and access log; -vv: also Twisted's log",
+        help="-v: migration output, access log and the local worker's debug output; -vv: also Twisted's log",
     )
     parser.set_defaults(handler=run_server)
 
@@ -318,13 +381,15 @@ def run_server(args):
         finally:
             connections.close_all()  # the server's threads open their own
 
-    certfile = keyfile = fingerprint = None
+    cert = certfile = keyfile = fingerprint = None
     cert_note = ""
     if supplied_cert is not None:
-        certfile, keyfile, fingerprint = args.ssl_certfile, args.ssl_keyfile, cert_fingerprint(supplied_cert)
+        cert, certfile, keyfile = supplied_cert, args.ssl_certfile, args.ssl_keyfile
+        fingerprint = cert_fingerprint(cert)
     elif args.ssl:
         certfile, keyfile, created = ensure_self_signed_cert(Path(settings.DATA_DIR) / "tls", args.host)
-        fingerprint = cert_fingerprint(x509.load_pem_x509_certificate(certfile.read_bytes()))
+        cert = x509.load_pem_x509_certificate(certfile.read_bytes())
+        fingerprint = cert_fingerprint(cert)
         cert_note = " (self-signed, generated now)" if created else " (self-signed)"
 
     scheme = "https" if certfile else "http"
@@ -339,16 +404,9 @@ def run_server(args):
         cert_path=certfile,
         fingerprint=fingerprint,
         cert_note=cert_note,
+        local_worker=settings.SIMPLETUNER["LOCAL_WORKER_NAME"] if args.local_worker else None,
     )
     print("\n".join(lines), flush=True)
-
-    scheduler = None
-    if not settings.REDIS_URL:
-        # Embedded mode: no broker, so the sweeps Celery beat would run are run in-process instead.
-        from .scheduler import EmbeddedScheduler
-
-        scheduler = EmbeddedScheduler().start()
-        print("Sweeps: embedded scheduler (no REDIS_URL); with Redis run Celery beat instead", flush=True)
 
     from daphne.cli import CommandLineInterface
 
@@ -362,12 +420,72 @@ def run_server(args):
         daphne_args += ["--access-log", "-"]
     if args.proxy_headers:
         daphne_args.append("--proxy-headers")
+    scheduler = local_worker = None
     try:
+        if not settings.REDIS_URL:
+            # Embedded mode: no broker, so the sweeps Celery beat would run are run in-process instead.
+            from .scheduler import EmbeddedScheduler
+
+            scheduler = EmbeddedScheduler().start()
+            print("Sweeps: embedded scheduler (no REDIS_URL); with Redis run Celery beat instead", flush=True)
+        if args.local_worker:
+            local_worker = start_local_worker(
+                settings=settings, host=args.host, port=args.port, cert=cert, certfile=certfile, verbose=args.verbose
+            )
+        if local_worker is not None:
+            from twisted.internet import reactor, threads  # daphne has installed its asyncio reactor by now
+
+            # Stop the agent while the server still answers, so that it can report its job and disconnect.
+            reactor.addSystemEventTrigger("before", "shutdown", threads.deferToThread, local_worker.stop)
         CommandLineInterface().run([*daphne_args, ASGI_APPLICATION])
     finally:
+        if local_worker is not None:
+            local_worker.stop()
         if scheduler is not None:
             scheduler.stop()
     return 0
+
+
+def start_local_worker(*, settings, host, port, cert=None, certfile=None, verbose=0):
+    """Start the built-in local worker and return it; None if another server process on the data dir runs it.
+
+    Raise CLIError if its lock file in the data directory cannot be opened.
+    """
+    from .local_worker import LocalWorker
+
+    url, ca_cert = local_worker_endpoint(host, port, cert=cert, certfile=certfile)
+    worker = LocalWorker(
+        url=url,
+        data_dir=settings.DATA_DIR,
+        name=settings.SIMPLETUNER["LOCAL_WORKER_NAME"],
+        ca_cert=ca_cert,
+        verbose=verbose >= 1,
+    )
+    try:
+        started = worker.start()
+    except OSError as exc:
+        raise CLIError(
+            f"local worker: {exc.filename or worker.lock_path}: {exc.strerror} "
+            "(make the data directory writable, or pass --no-local-worker)"
+        ) from None
+    return worker if started else None
+
+
+# --- the `worker` subcommand ----------------------------------------------------------------
+WORKER_HELP = "run the worker agent on a GPU node (the same program as python -m worker_agent)"
+WORKER_DESCRIPTION = (
+    "Register with an orchestrator, keep its event stream open and run the training jobs it sends. "
+    "The worker token is read from SIMPLETUNER_WORKER_TOKEN (or --worker-token)."
+)
+
+
+def add_worker_command(subcommands):
+    """Add `simpletuner worker`, whose arguments and handler are ``worker_agent.cli``'s (one program)."""
+    from worker_agent.cli import add_arguments, run
+
+    parser = subcommands.add_parser("worker", help=WORKER_HELP, description=WORKER_DESCRIPTION)
+    add_arguments(parser)
+    parser.set_defaults(handler=run)
 
 
 # --- entry point ----------------------------------------------------------------------------
@@ -375,6 +493,7 @@ def build_parser():
     parser = ArgumentParser(prog="simpletuner", description="SimpleTuner orchestrator.")
     subcommands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_server_command(subcommands)
+    add_worker_command(subcommands)
     return parser
 
 

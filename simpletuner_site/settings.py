@@ -2,6 +2,7 @@
 
 import os
 import secrets
+import socket
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -165,12 +166,28 @@ EVENTSTREAM_CHANNELMANAGER_CLASS = "workers.events.WorkerChannelManager"
 EVENTSTREAM_ALLOW_ORIGINS = []
 
 # --- Orchestrator timers and policy ---------------------------------------------------------
+_WORKER_NAME_MAX_LENGTH = 128  # Worker.name
+
+
+def _local_worker_name():
+    raw = os.environ.get("SIMPLETUNER_LOCAL_WORKER_NAME", "").strip()
+    if not raw:
+        return f"local@{socket.gethostname()}"[:_WORKER_NAME_MAX_LENGTH]
+    if len(raw) > _WORKER_NAME_MAX_LENGTH:
+        raise ImproperlyConfigured(
+            f"SIMPLETUNER_LOCAL_WORKER_NAME must be at most {_WORKER_NAME_MAX_LENGTH} characters, got {len(raw)}"
+        )
+    return raw
+
+
 SIMPLETUNER = {
     "HEARTBEAT_INTERVAL": _env_seconds("SIMPLETUNER_HEARTBEAT_INTERVAL", 30),
     "HEARTBEAT_TIMEOUT": _env_seconds("SIMPLETUNER_HEARTBEAT_TIMEOUT", 120),
     "HEALTH_CHECK_INTERVAL": _env_seconds("SIMPLETUNER_HEALTH_CHECK_INTERVAL", 60),
     "EPHEMERAL_CLEANUP_AFTER": _env_seconds("SIMPLETUNER_EPHEMERAL_CLEANUP_AFTER", 3600),
     "JOB_MAX_RETRIES": _env_int("SIMPLETUNER_JOB_MAX_RETRIES", 3, minimum=0),
+    # The built-in local worker that `simpletuner server` starts (see simpletuner_site.local_worker).
+    "LOCAL_WORKER_NAME": _local_worker_name(),
 }
 
 # --- Auth and API ---------------------------------------------------------------------------

@@ -88,13 +88,15 @@ class StreamReader:
         self._go.set()
 
     def stop(self):
+        """Stop reading: wake the reader by shutting its socket down (closing it from here can block)."""
         self._stopped.set()
         self._go.set()
         response = self._response
-        if response is not None:
+        sock = _socket_of(response) if response is not None else None
+        if sock is not None:
             try:
-                response.close()
-            except Exception:  # noqa: BLE001 - closing a dying connection is best effort
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
                 pass
 
     def _run(self):
@@ -104,34 +106,48 @@ class StreamReader:
                 return
             self._go.clear()
             try:
-                self._response = self._client.open_stream(last_event_id=self.last_event_id)
+                response = self._client.open_stream(last_event_id=self.last_event_id)
             except FatalError as exc:
                 self._post(("fatal", exc))
                 return
             except AgentError as exc:
                 self._post(("stream_lost", str(exc), 0.0))
                 continue
+            self._response = response
             opened = time.monotonic()
             self.connected = True
             reason = "closed by the orchestrator"
             parser = SSEParser()
             try:
-                for chunk in self._response.iter_content(chunk_size=None):
+                for chunk in response.iter_content(chunk_size=None):
                     for event in parser.feed(chunk):
                         if event.id:
                             self.last_event_id = event.id
                         self._post(("sse", event))
                     if self._stopped.is_set():
                         return
-            except (requests.exceptions.RequestException, OSError, ValueError) as exc:
+            except (requests.exceptions.RequestException, OSError, ValueError, AttributeError) as exc:
                 reason = f"connection lost ({exc.__class__.__name__})"
             finally:
                 self.connected = False
-                self._response.close()
                 self._response = None
+                response.close()
             if self._stopped.is_set():
                 return
             self._post(("stream_lost", reason, time.monotonic() - opened))
+
+
+def _socket_of(response):
+    """Return the socket under a streamed response, or None (urllib3 2.x internals, best effort)."""
+    raw = getattr(response, "raw", None)
+    connection = getattr(raw, "_connection", None) or getattr(raw, "connection", None)
+    sock = getattr(connection, "sock", None)
+    if sock is not None:
+        return sock
+    try:
+        return raw._fp.fp.raw._sock
+    except AttributeError:
+        return None
 
 
 class Agent:

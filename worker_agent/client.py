@@ -106,6 +106,9 @@ class OrchestratorClient:
             {TOKEN_HEADER: token, "User-Agent": f"simpletuner-worker-agent/{__version__}"}
         )
         self.session.verify = verify
+        # Passed on every request too: requests lets REQUESTS_CA_BUNDLE/CURL_CA_BUNDLE override a
+        # session-level setting, which would silently ignore --ca-cert and --ssl-no-verify.
+        self.verify = verify
         self.worker_id = None
 
     def url(self, path):
@@ -165,7 +168,7 @@ class OrchestratorClient:
     def _send(self, method, path, *, timeout=None, **kwargs):
         url = self.url(path)
         try:
-            response = self.session.request(method, url, timeout=timeout or self.timeout, **kwargs)
+            response = self.session.request(method, url, timeout=timeout or self.timeout, verify=self.verify, **kwargs)
         except requests.exceptions.SSLError as exc:
             raise self._tls_error(exc) from None
         except requests.exceptions.ConnectionError as exc:

@@ -128,7 +128,7 @@ class JobRun:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: signals reach the whole tree
-                preexec_fn=_die_with_parent,
+                preexec_fn=parent_death_signal(),
             )
         except BaseException:
             log.close()
@@ -241,18 +241,27 @@ class JobRun:
             logger.warning("job %s: cannot signal its process group: %s", self.job_id, exc)
 
 
-def _die_with_parent():
-    """In the child, before exec: on Linux, get SIGTERM when the agent dies (kill -9 included).
+def parent_death_signal(sig=signal.SIGTERM):
+    """Return a preexec_fn making Linux send ``sig`` to the child when its parent dies, or None elsewhere.
 
-    A trainer whose agent is gone can report nothing, and its job is requeued elsewhere; it must not
-    keep the GPU busy.
+    A trainer whose agent is gone (kill -9 included) can report nothing and its job is requeued
+    elsewhere: it must not keep the GPU busy. Linux ties the signal to the *thread* that forked, so
+    the child must be spawned by a thread that lives as long as the child (the agent's main thread).
     """
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        except (OSError, AttributeError):
-            pass
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child only calls it
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def set_parent_death_signal():
+        prctl(PR_SET_PDEATHSIG, int(sig))
+        if os.getppid() != parent:  # the parent died before the request took effect
+            os._exit(1)
+
+    return set_parent_death_signal
 
 
 def _write_json(path, data):

@@ -165,6 +165,52 @@ def worker_create(*, name, worker_type=WorkerType.PERSISTENT, labels=None, actor
     return worker, plaintext
 
 
+def worker_provision_local(*, name, actor, plaintext=None):
+    """Return ``(worker, plaintext_token)`` for the orchestrator's built-in local worker named ``name``.
+
+    Create the worker (type ``local``, no labels) if it does not exist. Reuse ``plaintext`` when it is
+    an active token of that worker (nothing is written then); otherwise revoke the worker's tokens,
+    close streams opened with them and issue a new one. Raise Conflict (``name_taken``) if a worker
+    named ``name`` exists and is not of type ``local``.
+    """
+    name = (name or "").strip()
+    if not name:
+        raise InvalidInput("name is required", code="invalid_name")
+    with transaction.atomic():
+        worker, created = Worker.objects.get_or_create(
+            name=name, defaults={"worker_type": WorkerType.LOCAL, "labels": {}}
+        )
+        if worker.worker_type != WorkerType.LOCAL:
+            raise Conflict(
+                f"a worker named {name!r} already exists and is a {worker.worker_type} worker, "
+                "not the built-in local worker",
+                code="name_taken",
+            )
+        if not created:
+            worker = _lock_worker(worker.pk)
+            token = token_authenticate(kind=TokenKind.WORKER, plaintext=plaintext)
+            if token is not None and token.worker_id == worker.pk:
+                return worker, plaintext.strip()
+        old_ids = list(worker.tokens.filter(revoked_at__isnull=True).values_list("pk", flat=True))
+        worker.tokens.filter(pk__in=old_ids).update(revoked_at=timezone.now())
+        token, new_plaintext = token_issue(kind=TokenKind.WORKER, worker=worker, description="built-in local worker")
+        audit_record(
+            actor=actor,
+            action=actions.LOCAL_WORKER_PROVISIONED,
+            target_type="worker",
+            target_id=worker.pk,
+            details={
+                "name": name,
+                "created": created,
+                "revoked_tokens": len(old_ids),
+                "token_prefix": token.prefix,
+            },
+        )
+        if old_ids:
+            events.revoke_streams_on_commit(worker.pk, old_ids, "local worker token re-issued")
+    return worker, new_plaintext
+
+
 def worker_rotate_token(*, worker_id, actor):
     """Revoke every token of the worker, issue a new one, close streams opened with the old; return plaintext."""
     with transaction.atomic():

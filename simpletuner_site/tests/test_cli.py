@@ -15,6 +15,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import requests
 from cryptography import x509
@@ -31,12 +32,16 @@ FINGERPRINT = re.compile(r"SHA-256\s+((?:[0-9A-F]{2}:){31}[0-9A-F]{2})")
 class ServerProcess:
     """A `python -m simpletuner_site.cli server ...` subprocess with its output in a log file."""
 
-    def __init__(self, args, *, data_dir, log_path):
+    def __init__(self, args, *, data_dir, log_path, env=None):
         self.port = free_port()
         self.data_dir = data_dir
         self.log_path = log_path
         # The server under test is the embedded default: it must not pick up the suite's PostgreSQL/Redis.
-        env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE"}}
+        # ``env`` adds variables to its environment; a value of None removes one.
+        extra = env or {}
+        removed = {"DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE"} | {k for k, v in extra.items() if v is None}
+        env = {k: v for k, v in os.environ.items() if k not in removed}
+        env.update({k: v for k, v in extra.items() if v is not None})
         env.update(SIMPLETUNER_DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1")
         with open(log_path, "wb") as log:
             self.process = subprocess.Popen(
@@ -85,8 +90,8 @@ def start_server(tmp_path):
     """Return ``start(*args, data_dir=...)``; every server started is stopped after the test."""
     servers = []
 
-    def start(*args, data_dir):
-        server = ServerProcess(args, data_dir=data_dir, log_path=tmp_path / f"server-{len(servers)}.log")
+    def start(*args, data_dir, env=None):
+        server = ServerProcess(args, data_dir=data_dir, log_path=tmp_path / f"server-{len(servers)}.log", env=env)
         servers.append(server)
         return server
 
@@ -160,6 +165,115 @@ def test_ssl_generates_a_certificate_once_and_serves_https_with_it(start_server,
 
     assert cert_path.read_bytes() == cert_bytes
     assert FINGERPRINT.search(second.log()).group(1) == printed.group(1)
+
+
+def _local_workers(db_path):
+    with sqlite3.connect(db_path) as conn:
+        return conn.execute("SELECT id, name, status FROM workers_worker WHERE worker_type = 'local'").fetchall()
+
+
+def _audit_actions(db_path, target_id):
+    with sqlite3.connect(db_path) as conn:
+        rows = conn.execute("SELECT action FROM audit_auditevent WHERE target_id = ? ORDER BY id", (target_id,))
+        return [action for (action,) in rows]
+
+
+def _agents_of(server):
+    return [
+        child
+        for child in psutil.Process(server.process.pid).children()
+        if "worker_agent" in child.cmdline()
+    ]
+
+
+def _gone(process):
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.e2e
+def test_server_runs_the_local_worker_and_takes_it_down_with_it(start_server, tmp_path):
+    data_dir = tmp_path / "data"
+    db_path = data_dir / "orchestrator.sqlite3"
+    server = start_server(data_dir=data_dir)
+    server.wait_until_unauthorized(f"http://127.0.0.1:{server.port}/api/admin/workers")
+
+    [(worker_id, name, _)] = _wait_for_idle_local_worker(server, db_path)
+    token_path = data_dir / "local-worker.token"
+    token = token_path.read_text().strip()
+    [agent] = _agents_of(server)
+    log = server.log()
+    assert name == f"local@{socket.gethostname()}"
+    assert f"  Local worker {name} (jobs with target local/auto" in log
+    assert "[local worker] " in log and token not in log
+    assert stat.S_IMODE(token_path.stat().st_mode) == 0o600
+    assert token not in " ".join(agent.cmdline())
+    assert agent.cmdline()[agent.cmdline().index("--orchestrator-url") + 1] == f"http://127.0.0.1:{server.port}"
+
+    server.stop()
+
+    poll(lambda: _gone(agent), timeout=STOP_GRACE_S, message="the agent to stop with its server")
+    # The agent was stopped while the server still answered: its goodbye was heard.
+    assert "worker.disconnected" in _audit_actions(db_path, worker_id)
+    assert _local_workers(db_path)[0][2] == "offline"
+
+
+def _wait_for_idle_local_worker(server, db_path, timeout=START_DEADLINE_S):
+    def idle_local_worker():
+        rows = _local_workers(db_path)
+        return rows if rows and rows[0][2] == "idle" else None
+
+    try:
+        return poll(idle_local_worker, timeout=timeout, message="the local worker idle")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{server.log()}") from None
+
+
+def _check_local_worker_over_tls(start_server, tmp_path, env):
+    data_dir = tmp_path / "data"
+    cert_path = data_dir / "tls" / "cert.pem"
+    server = start_server("--ssl", "--host", "0.0.0.0", data_dir=data_dir, env=env)
+    server.wait_until_unauthorized(f"https://localhost:{server.port}/api/admin/workers", verify=str(cert_path))
+
+    _wait_for_idle_local_worker(server, data_dir / "orchestrator.sqlite3", timeout=20)  # the server is up already
+
+    [agent] = _agents_of(server)
+    argv = agent.cmdline()
+    assert argv[argv.index("--orchestrator-url") + 1] == f"https://127.0.0.1:{server.port}"
+    assert argv[argv.index("--ca-cert") + 1] == str(cert_path)
+    assert "--ssl-no-verify" not in argv
+
+
+@pytest.mark.e2e
+def test_local_worker_trusts_the_generated_certificate(start_server, tmp_path):
+    _check_local_worker_over_tls(start_server, tmp_path, {"REQUESTS_CA_BUNDLE": None, "CURL_CA_BUNDLE": None})
+
+
+@pytest.mark.e2e
+def test_local_worker_trusts_the_generated_certificate_despite_a_ca_bundle_variable(start_server, tmp_path):
+    import certifi
+
+    _check_local_worker_over_tls(start_server, tmp_path, {"REQUESTS_CA_BUNDLE": certifi.where()})
+
+
+@pytest.mark.e2e
+def test_one_local_worker_per_data_dir_and_none_when_disabled(start_server, tmp_path):
+    data_dir = tmp_path / "data"
+    first = start_server(data_dir=data_dir)
+    first.wait_until_unauthorized(f"http://127.0.0.1:{first.port}/api/admin/workers")
+    second = start_server(data_dir=data_dir)
+    second.wait_until_unauthorized(f"http://127.0.0.1:{second.port}/api/admin/workers")
+    disabled = start_server("--no-local-worker", data_dir=tmp_path / "other")
+    disabled.wait_until_unauthorized(f"http://127.0.0.1:{disabled.port}/api/admin/workers")
+
+    poll(lambda: "local worker: another server process on this data dir runs it" in second.log(), timeout=10)
+    assert len(_agents_of(first)) == 1 and _agents_of(second) == []
+    assert "  Local worker disabled (--no-local-worker" in disabled.log()
+    assert _agents_of(disabled) == []
+    assert _local_workers(tmp_path / "other" / "orchestrator.sqlite3") == []
+    assert not (tmp_path / "other" / "local-worker.token").exists()
 
 
 def test_certfile_without_keyfile_is_a_one_line_error(tmp_path):
@@ -257,6 +371,7 @@ def test_generated_certificate_names_this_machine_and_the_listen_address(tmp_pat
     assert set(san.get_values_for_type(x509.DNSName)) >= {"localhost", socket.gethostname()}
     assert set(san.get_values_for_type(x509.IPAddress)) == {
         ipaddress.ip_address("127.0.0.1"),
+        ipaddress.ip_address("::1"),
         ipaddress.ip_address("10.1.2.3"),
     }
     assert timedelta(days=824) < cert.not_valid_after_utc - datetime.now(timezone.utc) <= timedelta(days=825)
@@ -360,6 +475,129 @@ def test_banner_never_shows_passwords():
     assert "postgresql postgres://app:****@db:5432/st" in text
     assert "Redis redis://:****@cache:6379/0" in text
     assert "create_api_token USERNAME --superuser" in text
+
+
+def _banner_settings():
+    return SimpleNamespace(
+        DATA_DIR=Path("/srv/st"),
+        DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": "/srv/st/db.sqlite3"}},
+        DATABASE_URL="",
+        REDIS_URL="",
+    )
+
+
+def test_banner_names_the_local_worker_or_says_it_is_disabled():
+    common = {"settings": _banner_settings(), "url": "http://h:8001", "listen": "h:8001"}
+    enabled = cli.banner_lines(**common, local_worker="local@h")
+    disabled = cli.banner_lines(**common)
+
+    assert "  Local worker local@h (jobs with target local/auto; --no-local-worker to disable)" in enabled
+    assert "  Local worker disabled (--no-local-worker: jobs with target local wait)" in disabled
+
+
+# --- the built-in local worker ----------------------------------------------------------------
+def test_no_local_worker_flag_turns_it_off():
+    assert cli.build_parser().parse_args(["server"]).local_worker is True
+    assert cli.build_parser().parse_args(["server", "--no-local-worker"]).local_worker is False
+
+
+@pytest.mark.parametrize(
+    "host, expected",
+    [
+        ("127.0.0.1", "127.0.0.1"),
+        ("127.0.0.2", "127.0.0.2"),
+        ("0.0.0.0", "127.0.0.1"),
+        ("::", "::1"),
+        ("::1", "::1"),
+        ("10.1.2.3", "10.1.2.3"),
+        ("localhost", "127.0.0.1"),
+        ("gpu-box.example.com", "gpu-box.example.com"),
+    ],
+)
+def test_loopback_host_reaches_the_listening_address(host, expected):
+    assert cli.loopback_host(host) == expected
+
+
+@pytest.mark.parametrize(
+    "host, expected",
+    [("0.0.0.0", "http://127.0.0.1:8001"), ("::", "http://[::1]:8001"), ("10.1.2.3", "http://10.1.2.3:8001")],
+)
+def test_local_worker_uses_plain_http_without_tls(host, expected):
+    assert cli.local_worker_endpoint(host, 8001) == (expected, None)
+
+
+@pytest.mark.parametrize(
+    "host, expected",
+    [
+        ("127.0.0.1", "https://127.0.0.1:8001"),
+        ("0.0.0.0", "https://127.0.0.1:8001"),
+        ("::", "https://[::1]:8001"),
+        ("10.1.2.3", "https://10.1.2.3:8001"),
+    ],
+)
+def test_local_worker_trusts_exactly_the_generated_certificate(tmp_path, host, expected):
+    cert_path, _, _ = cli.ensure_self_signed_cert(tmp_path / "tls", host)
+    cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+
+    assert cli.local_worker_endpoint(host, 8001, cert=cert, certfile=cert_path) == (expected, cert_path)
+
+
+def _certificate(dns_names, *, ips=(), issuer=None):
+    """Return a certificate for ``dns_names``/``ips``, self-signed unless ``issuer`` names a CA."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, dns_names[0] if dns_names else "server")])
+    issuer_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]) if issuer else subject
+    now = datetime.now(timezone.utc)
+    names = [x509.DNSName(n) for n in dns_names] + [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - timedelta(hours=1))
+        .not_valid_after(now + timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+
+
+@pytest.mark.parametrize(
+    "host, cert_kwargs, expected_url, trusts_file",
+    [
+        # A CA-issued certificate for the public name: dial that name, verify with the system's CAs.
+        ("0.0.0.0", {"dns_names": ["orch.example.com"], "issuer": "A CA"}, "https://orch.example.com:8001", False),
+        # Self-signed for the public name only (no loopback): that name, trusting exactly the file.
+        ("0.0.0.0", {"dns_names": ["*.example.com", "orch.example.com"]}, "https://orch.example.com:8001", True),
+        # It names localhost: loopback by that name.
+        ("127.0.0.1", {"dns_names": ["localhost"], "issuer": "A CA"}, "https://localhost:8001", False),
+        # It names the loopback address itself.
+        ("0.0.0.0", {"dns_names": ["orch.example.com"], "ips": ["127.0.0.1"]}, "https://127.0.0.1:8001", True),
+        # Listening on one address the certificate names.
+        ("10.1.2.3", {"dns_names": ["orch.example.com"], "ips": ["10.1.2.3"]}, "https://10.1.2.3:8001", True),
+    ],
+)
+def test_local_worker_dials_a_name_a_supplied_certificate_covers(host, cert_kwargs, expected_url, trusts_file):
+    cert = _certificate(**cert_kwargs)
+    certfile = Path("/etc/orch/cert.pem")
+
+    url, ca_cert = cli.local_worker_endpoint(host, 8001, cert=cert, certfile=certfile)
+
+    assert url == expected_url
+    assert ca_cert == (certfile if trusts_file else None)
+
+
+def test_worker_subcommand_runs_the_agent():
+    from worker_agent import cli as agent_cli
+
+    args = cli.build_parser().parse_args(["worker", "--orchestrator-url", "http://h:8001", "--persistent"])
+
+    assert args.handler is agent_cli.run
+    assert (args.orchestrator_url, args.persistent) == ("http://h:8001", True)
 
 
 # --- packaging and Celery ---------------------------------------------------------------------

@@ -108,6 +108,10 @@ def test_stream_sends_last_event_id_and_uses_a_long_read_timeout():
     assert call["timeout"][1] >= 60
 
 
-def test_verify_setting_reaches_the_session():
-    c = OrchestratorClient(URL, TOKEN, verify="/etc/ca.pem", session=FakeSession())
-    assert c.session.verify == "/etc/ca.pem"
+@pytest.mark.parametrize("verify", ["/etc/ca.pem", False])
+def test_verify_setting_goes_with_every_request(verify):
+    # per request, because requests lets REQUESTS_CA_BUNDLE override a session-level setting
+    c = OrchestratorClient(URL, TOKEN, verify=verify, session=FakeSession(FakeResponse(200, {}), FakeResponse(200)))
+    c.heartbeat({})
+    c.open_stream()
+    assert [call["verify"] for call in c.session.calls] == [verify, verify]
