@@ -12,8 +12,8 @@ Rules (README, "The worker agent"):
 - After the stream drops, the agent registers again, reporting the job it runs (``resume_job`` keeps
   it, ``abandon_job`` stops it), then reopens the stream with Last-Event-ID.
 - First SIGTERM/SIGINT: take no new job, let the running one finish and report it, disconnect, exit 0.
-  Second: stop the job now (reported ``cancelled`` so the orchestrator requeues it), disconnect, exit 0.
-  Third: kill the job and exit at once (status 1).
+  Second: stop the job now and disconnect (the orchestrator requeues the job by its retry rules and
+  takes the worker offline in the same step), exit 0. Third: kill the job and exit at once (status 1).
 - Ephemeral: exit 0 after one job is reported, or when drained while idle. Persistent: stay.
 """
 
@@ -92,7 +92,7 @@ class StreamReader:
         self._stopped.set()
         self._go.set()
         response = self._response
-        sock = _socket_of(response) if response is not None else None
+        sock = socket_of(response) if response is not None else None
         if sock is not None:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
@@ -137,7 +137,7 @@ class StreamReader:
             self._post(("stream_lost", reason, time.monotonic() - opened))
 
 
-def _socket_of(response):
+def socket_of(response):
     """Return the socket under a streamed response, or None (urllib3 2.x internals, best effort)."""
     raw = getattr(response, "raw", None)
     connection = getattr(raw, "_connection", None) or getattr(raw, "connection", None)
@@ -380,7 +380,7 @@ class Agent:
             result = self.client.heartbeat(body)
         except Refused as exc:
             if exc.abandon_job:
-                self.abandon(str(exc.abandon_job), exc.message)
+                self._refused(str(exc.abandon_job), exc)
             return
         except FatalError as exc:
             self.fatal(exc)
@@ -499,7 +499,7 @@ class Agent:
         try:
             self.client.report(run.job_id, body)
         except Refused as exc:
-            self.abandon(run.job_id, exc.message)
+            self._refused(run.job_id, exc)
             return
         except FatalError as exc:
             self.fatal(exc)
@@ -521,11 +521,19 @@ class Agent:
         self.last_console = now
         logger.info("Job %s: %s", run.job_id, progress_protocol.format_progress(progress))
 
+    def _refused(self, job_id, exc):
+        """A report or heartbeat about ``job_id`` was refused (409): cancel it or abandon it."""
+        if exc.code == "job_cancelled":
+            self.on_job_cancel({"job_id": job_id})  # stopped and reported cancelled: frees the worker at once
+        else:
+            self.abandon(job_id, exc.message)
+
     def on_job_cancel(self, data):
         job_id = str(data.get("job_id") or "")
         if self.job is not None and self.job.job_id == job_id:
-            logger.info("Job %s cancelled by the orchestrator; stopping it", job_id)
-            self.job.stop("cancel")
+            if self.job.stop_reason is None:
+                logger.info("Job %s cancelled by the orchestrator; stopping it", job_id)
+                self.job.stop("cancel")
             return
         before = len(self.waiting)
         self.waiting = [w for w in self.waiting if str(w.get("job_id")) != job_id]
@@ -564,8 +572,11 @@ class Agent:
             body.update(status="cancelled", error="cancelled by the orchestrator")
             logger.info("Job %s cancelled after %s", run.job_id, took)
         elif run.stop_reason == "shutdown":
-            body.update(status="cancelled", error="the worker agent was stopped before the job finished")
+            # Not reported as a result: disconnecting hands the job back to the queue and takes this
+            # worker offline in one step, so the requeued job cannot be dispatched straight back here.
             logger.info("Job %s stopped after %s (worker shutting down)", run.job_id, took)
+            self.leave("stopped by signal; the orchestrator requeues the job")
+            return
         elif code == 0:
             body.update(status="completed", error=None)
             logger.info("Job %s completed in %s", run.job_id, took)

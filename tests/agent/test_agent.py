@@ -404,7 +404,7 @@ def test_first_signal_finishes_the_job_then_exits():
     assert agent.client.names()[-1] == "disconnect" and agent.exit_code == 0
 
 
-def test_second_signal_stops_the_job_now_and_reports_it_for_requeue():
+def test_second_signal_stops_the_job_now_and_disconnects_to_hand_it_back():
     agent = registered()
     run = submit(agent)
     agent.handle(("signal", signal.SIGTERM))
@@ -412,9 +412,25 @@ def test_second_signal_stops_the_job_now_and_reports_it_for_requeue():
     assert run.stop_reason == "shutdown"
     run.exit(-15)
     pump(agent)
-    _, status, body = agent.client.reports()[-1]
-    assert status == "cancelled" and "stopped before the job finished" in body["error"]
+    assert [s for _, s, _ in agent.client.reports("j_1")] == ["starting", "running"]
+    assert agent.client.names()[-1] == "disconnect"
     assert agent.exit_code == 0
+
+
+def test_report_refused_because_the_job_was_cancelled_stops_and_reports_it_cancelled():
+    agent = registered()
+    run = submit(agent)
+    agent.client.script("report:running", refused("j_1", "job_cancelled"))
+    run.emit(step=1)
+    agent.clock.now += 2
+    agent.tick()
+    assert run.stop_reason == "cancel"
+    agent.on_event(Event("job_cancel", '{"type": "job_cancel", "job_id": "j_1"}'))  # the event too: no second stop
+    assert run.signals == ["TERM"]
+    run.exit(143)
+    pump(agent)
+    _, status, body = agent.client.reports()[-1]
+    assert status == "cancelled" and body["exit_code"] == 143
 
 
 def test_third_signal_kills_and_exits():

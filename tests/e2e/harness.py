@@ -6,7 +6,6 @@ import os
 import queue
 import re
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +16,9 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import requests
+
+from worker_agent.agent import socket_of
+from worker_agent.runner import parent_death_signal
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ASGI_APPLICATION = "simpletuner_site.asgi:application"
@@ -64,19 +66,6 @@ def expect(response, status):
     if not response.content:
         return None
     return response.json()
-
-
-def _parent_death_signal():
-    """Return a preexec_fn that has Linux SIGTERM the server if the test process dies without teardown."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child only calls it
-    except (OSError, AttributeError):
-        return None
-    return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 # --- PostgreSQL: one brand-new database per run ---------------------------------------------------
@@ -195,7 +184,7 @@ class Orchestrator:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=_parent_death_signal(),
+                preexec_fn=parent_death_signal(),
             )
         deadline = time.monotonic() + START_DEADLINE_S
         last = "no attempt"
@@ -480,7 +469,7 @@ class SSEClient:
         if self.ended.is_set() and self._reader is None:
             return
         self._closing = True
-        sock = _socket_of(self.response)
+        sock = socket_of(self.response)
         if sock is not None:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
@@ -490,19 +479,6 @@ class SSEClient:
         if self._reader is not None:
             self._reader.join(timeout=EVENT_DEADLINE_S)
         self._drain()
-
-
-def _socket_of(response):
-    """Return the socket under a streamed requests response, or None (urllib3 2.x internals, best effort)."""
-    raw = response.raw
-    connection = getattr(raw, "_connection", None) or getattr(raw, "connection", None)
-    sock = getattr(connection, "sock", None)
-    if sock is not None:
-        return sock
-    try:
-        return raw._fp.fp.raw._sock
-    except AttributeError:
-        return None
 
 
 # --- workers and a per-test fleet ----------------------------------------------------------------

@@ -1,0 +1,401 @@
+"""The worker agent end to end: real ``python -m worker_agent`` processes (without Django) against a real orchestrator."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from .agent_harness import (
+    BLOCKED_MARK,
+    BLOCKED_MODULES,
+    AgentRunner,
+    admin_post,
+    agent_environment,
+    job_in,
+    job_mid_run,
+    process_gone,
+    trainer_processes,
+    worker_when,
+    write_import_blocker,
+)
+from .harness import free_port, poll
+
+pytestmark = pytest.mark.e2e
+
+# An agent that has decided to leave (disconnected) must be gone within PROMPT_EXIT_S; GRACEFUL_EXIT_S
+# also covers the job it finishes first. (The SSE keep-alive comes every 20 s: an agent waiting on its
+# stream to close would need ~20 s, and fails these bounds.)
+PROMPT_EXIT_S = 5
+GRACEFUL_EXIT_S = 10
+JOB_DEADLINE_S = 30
+NEGATIVE_WINDOW_S = 1.5
+
+# ~3.5 s on the example trainer: 35 steps of 0.1 s, a checkpoint every 10 steps.
+SHORT_JOB = {"max_train_steps": 35, "step_delay": 0.1, "learning_rate": 0.05, "seed": 7, "checkpoint_every": 10}
+QUICK_JOB = {"max_train_steps": 5, "step_delay": 0.02}
+LONG_JOB = {"max_train_steps": 2000, "step_delay": 0.05}  # 100 s: only ever stopped early
+
+
+@pytest.fixture(scope="module")
+def blocker_dir(tmp_path_factory):
+    return write_import_blocker(tmp_path_factory.mktemp("no-django"))
+
+
+@pytest.fixture
+def agents(orchestrator, fleet, tmp_path, blocker_dir):
+    runner = AgentRunner(orchestrator, fleet, tmp_path, blocker_dir=blocker_dir)
+    yield runner
+    runner.cleanup()
+
+
+def no_traceback(agent):
+    assert "Traceback" not in agent.output(), f"the agent printed a traceback\n{agent.describe()}"
+
+
+def audit_status_changes(orchestrator, job_id):
+    rows = orchestrator.audit(target_id=job_id, action="job.status_changed")
+    return {(row["details"]["from"], row["details"]["to"]) for row in rows}
+
+
+# --- 10. the agent's environment -------------------------------------------------------------------
+
+
+def test_agent_environment_cannot_import_the_orchestrator_stack(blocker_dir):
+    env = agent_environment(blocker_dir)
+    for module in BLOCKED_MODULES:
+        result = subprocess.run(
+            [sys.executable, "-c", f"import {module}"], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert result.returncode == 1, f"import {module} did not fail: {result}"
+        assert "ModuleNotFoundError" in result.stderr and BLOCKED_MARK in result.stderr, result.stderr
+    # The premise: without the blocker the same interpreter does have Django.
+    control = subprocess.run(
+        [sys.executable, "-c", "import django, rest_framework, daphne, channels, celery"],
+        env=agent_environment(blocker_dir, PYTHONPATH=None),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert control.returncode == 0, control.stderr
+    # Every module of the agent imports under the blocker.
+    modules = ["worker_agent", "worker_agent.agent", "worker_agent.cli", "worker_agent.example_trainer"]
+    script = f"import importlib\nfor m in {modules!r}:\n    importlib.import_module(m)\nprint('ok')"
+    agent_side = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert (agent_side.returncode, agent_side.stdout.strip()) == (0, "ok"), agent_side.stderr
+
+
+# --- 1. a job from submission to completion ---------------------------------------------------------
+
+
+def test_job_runs_to_completion_with_progress(orchestrator, fleet, agents):
+    worker = fleet.create_worker(labels={"pool": fleet.tag, "gpu_type": "cpu"})
+    agent = agents.start(worker)
+    agents.wait_ready(agent)
+
+    submitted = agents.submit(labels={"pool": fleet.tag, "gpu_type": "c*"}, config=SHORT_JOB)
+    job_id = submitted["job_id"]
+
+    mid = job_mid_run(orchestrator, job_id)
+    assert mid["worker_id"] == worker.id
+    assert 0 < mid["progress"]["step"] < mid["progress"]["total_steps"] == SHORT_JOB["max_train_steps"]
+    assert worker.state()["current_job_id"] == job_id
+
+    job = job_in(orchestrator, job_id, "completed", "failed", "cancelled", timeout=JOB_DEADLINE_S)
+    assert job["status"] == "completed", job
+    assert job["exit_code"] == 0
+    assert job["progress"]["fraction"] == 1.0
+    assert job["progress"]["step"] == job["progress"]["total_steps"] == 35
+    assert "training complete: step 35" in job["log_tail"]
+    assert job["last_error"] == ""
+    assert [a["outcome"] for a in job["attempts"]] == ["completed"]
+
+    job_dir = agent.work_dir / job_id
+    assert json.loads((job_dir / "config.json").read_text()) == SHORT_JOB
+    checkpoint = json.loads((job_dir / "checkpoint.json").read_text())
+    assert (checkpoint["step"], checkpoint["complete"], checkpoint["seed"]) == (35, True, 7)
+
+    dispatched = orchestrator.audit(target_id=job_id, action="job.dispatched")
+    assert [row["details"]["worker"] for row in dispatched] == [worker.id]
+    assert audit_status_changes(orchestrator, job_id) == {
+        ("queued", "dispatched"),
+        ("dispatched", "running"),
+        ("running", "completed"),
+    }
+
+    worker_when(orchestrator, worker.id, lambda w: (w["status"], w["current_job_id"]) == ("idle", None))
+    agent.wait_for_line(f"Job {job_id} completed in")
+    for line in (
+        f"Registered as {worker.name} ({worker.id})",
+        "Waiting for jobs",
+        f"Job {job_id} started",
+        re.compile(rf"Job {job_id}: step \d+/35 \(\d+%\)"),
+    ):
+        assert agent.has_line(line), f"{line!r} missing\n{agent.describe()}"
+    assert agent.running()
+    no_traceback(agent)
+
+
+# --- 2. label routing --------------------------------------------------------------------------------
+
+
+def test_jobs_route_by_labels(orchestrator, fleet, agents):
+    a100 = fleet.create_worker(labels={"pool": fleet.tag, "gpu_type": "a100-80g"})
+    h100 = fleet.create_worker(labels={"pool": fleet.tag, "gpu_type": "h100"})
+    a100_agent, h100_agent = agents.start(a100), agents.start(h100)
+    agents.wait_ready(a100_agent)
+    agents.wait_ready(h100_agent)
+
+    for_h100 = agents.submit(labels={"pool": fleet.tag, "gpu_type": "h100"}, config=QUICK_JOB)["job_id"]
+    for_a100 = agents.submit(labels={"pool": fleet.tag, "gpu_type": "a100*"}, config=QUICK_JOB)["job_id"]
+
+    for job_id, worker, agent, other in (
+        (for_h100, h100, h100_agent, a100_agent),
+        (for_a100, a100, a100_agent, h100_agent),
+    ):
+        job = job_in(orchestrator, job_id, "completed", "failed", "cancelled", timeout=JOB_DEADLINE_S)
+        assert job["status"] == "completed", job
+        assert (job["worker_id"], job["worker_name"]) == (worker.id, worker.name)
+        assert [(a["worker_id"], a["outcome"]) for a in job["attempts"]] == [(worker.id, "completed")]
+        agent.wait_for_line(f"Job {job_id} completed in")
+        assert (agent.work_dir / job_id / "checkpoint.json").is_file()
+        assert not other.has_line(job_id), other.describe()
+        assert not (other.work_dir / job_id).exists()
+
+
+# --- 3. a failing trainer ----------------------------------------------------------------------------
+
+
+def test_failing_trainer_is_reported_failed_without_retry(orchestrator, fleet, agents):
+    worker = fleet.create_worker(labels={"pool": fleet.tag})
+    agent = agents.start(worker)
+    agents.wait_ready(agent)
+
+    config = {"max_train_steps": 20, "step_delay": 0.05, "fail_at_step": 4}
+    job_id = agents.submit(labels={"pool": fleet.tag}, config=config)["job_id"]
+
+    job = job_in(orchestrator, job_id, "completed", "failed", "cancelled", timeout=JOB_DEADLINE_S)
+    assert job["status"] == "failed", job
+    assert job["exit_code"] == 3
+    assert "exited with code 3" in job["last_error"]
+    assert "simulated failure at step 4" in job["last_error"]
+    assert "error: simulated failure at step 4 (fail_at_step)" in job["log_tail"]
+    assert (job["attempt_count"], job["retry_count"]) == (1, 0)
+    assert [a["outcome"] for a in job["attempts"]] == ["failed"]
+    agent.wait_for_line(f"Job {job_id} failed after")
+
+    # No retry: the worker is free again and the job is neither requeued nor dispatched anew.
+    worker_when(orchestrator, worker.id, lambda w: (w["status"], w["current_job_id"]) == ("idle", None))
+    agent.wait_for_line("Waiting for jobs", after=agent.wait_for_line(f"Job {job_id} failed after"))
+    job = orchestrator.job(job_id)
+    assert (job["status"], job["attempt_count"], len(job["attempts"])) == ("failed", 1, 1)
+    assert not orchestrator.audit(target_id=job_id, action="job.requeued")
+    assert agent.running()
+    no_traceback(agent)
+
+
+# --- 4. cancelling a running job ----------------------------------------------------------------------
+
+
+def test_cancel_stops_the_running_trainer(orchestrator, fleet, agents):
+    worker = fleet.create_worker(labels={"pool": fleet.tag})
+    agent = agents.start(worker)
+    agents.wait_ready(agent)
+
+    job_id = agents.submit(labels={"pool": fleet.tag}, config=LONG_JOB)["job_id"]
+    job_mid_run(orchestrator, job_id)
+    job_dir = agent.work_dir / job_id
+    (trainer,) = poll(lambda: trainer_processes(job_dir), timeout=10, message=f"the trainer process in {job_dir}")
+
+    cancelled = admin_post(orchestrator, f"/api/queue/{job_id}/cancel")
+    assert cancelled["status"] == "cancelled"
+
+    poll(lambda: process_gone(trainer), timeout=15, message=f"trainer pid {trainer.pid} to end")
+    worker_when(
+        orchestrator, worker.id, lambda w: (w["status"], w["current_job_id"]) == ("idle", None), message="worker idle"
+    )
+    cancelled_line = agent.wait_for_line(f"Job {job_id} cancelled by the orchestrator; stopping it")
+    # Whether the cancel event or a refused progress report (409 job_cancelled) told it first, the
+    # agent stops the trainer and reports it cancelled, with its exit code.
+    agent.wait_for_line(f"Job {job_id} cancelled after", after=cancelled_line)
+    agent.wait_for_line("Waiting for jobs", after=cancelled_line)
+    assert len(agent.lines_matching(f"Job {job_id} cancelled by the orchestrator")) == 1
+    # The trainer was asked to stop (SIGTERM at a step boundary), not killed.
+    assert "stopped by signal at step" in (job_dir / "train.log").read_text()
+
+    job = orchestrator.job(job_id)
+    assert (job["status"], job["attempt_count"], job["exit_code"]) == ("cancelled", 1, 143)
+    assert [a["outcome"] for a in job["attempts"]] == ["cancelled"]
+    assert "stopped by signal at step" in job["log_tail"]
+    assert not trainer_processes(job_dir)
+    assert agent.running()
+    no_traceback(agent)
+
+
+# --- 5. an ephemeral agent ----------------------------------------------------------------------------
+
+
+def test_ephemeral_agent_exits_after_one_job(orchestrator, fleet, agents):
+    worker = fleet.create_worker(labels={"pool": fleet.tag}, worker_type="ephemeral")
+    agent = agents.start(worker, persistent=False)
+    agents.wait_ready(agent)
+    assert agent.has_line("ephemeral (exits after one job)")
+
+    job_id = agents.submit(labels={"pool": fleet.tag}, config=QUICK_JOB)["job_id"]
+
+    assert agent.wait_exit(timeout=JOB_DEADLINE_S + GRACEFUL_EXIT_S) == 0, agent.describe()
+    job = orchestrator.job(job_id)
+    assert (job["status"], job["exit_code"], job["worker_id"]) == ("completed", 0, worker.id)
+    assert agent.has_line(f"Job {job_id} completed in")
+    assert agent.has_line("Disconnecting (ephemeral worker: its job is done)")
+    assert worker.state()["status"] == "offline"
+
+
+# --- 6. drain ------------------------------------------------------------------------------------------
+
+
+def test_drain_finishes_the_job_and_takes_no_new_one(orchestrator, fleet, agents):
+    busy_labels = {"pool": fleet.tag, "role": "persistent"}
+    busy = fleet.create_worker(labels=busy_labels)
+    idle = fleet.create_worker(labels={"pool": fleet.tag, "role": "ephemeral"}, worker_type="ephemeral")
+    busy_agent, idle_agent = agents.start(busy), agents.start(idle, persistent=False)
+    agents.wait_ready(busy_agent)
+    agents.wait_ready(idle_agent)
+
+    first = agents.submit(labels=busy_labels, config=SHORT_JOB)["job_id"]
+    job_mid_run(orchestrator, first)
+    assert admin_post(orchestrator, f"/api/admin/workers/{busy.id}/drain")["draining"] is True
+    assert admin_post(orchestrator, f"/api/admin/workers/{idle.id}/drain")["draining"] is True
+
+    busy_agent.wait_for_line(f"finishing job {first}, then taking no new job")
+    job = job_in(orchestrator, first, "completed", "failed", "cancelled", timeout=JOB_DEADLINE_S)
+    assert (job["status"], job["exit_code"]) == ("completed", 0)
+    state = worker_when(orchestrator, busy.id, lambda w: w["current_job_id"] is None, message="busy worker freed")
+    assert (state["status"], state["draining"]) == ("draining", True)
+    busy_agent.wait_for_line("Draining: this worker takes no new jobs")
+
+    second = agents.submit(labels=busy_labels, config=QUICK_JOB)
+    assert (second["status"], second["dispatched"]) == ("queued", False)
+    busy_agent.assert_keeps_running(NEGATIVE_WINDOW_S)
+    job = orchestrator.job(second["job_id"])
+    assert (job["status"], job["attempt_count"]) == ("queued", 0)
+    assert "draining" in job["waiting_reason"]
+    assert not busy_agent.has_line(second["job_id"])
+    assert busy.state()["status"] == "draining"
+
+    # The ephemeral agent, drained while idle, leaves.
+    assert idle_agent.wait_exit(timeout=GRACEFUL_EXIT_S) == 0, idle_agent.describe()
+    assert idle_agent.has_line("Disconnecting (ephemeral worker drained)")
+    assert idle.state()["status"] == "offline"
+    assert busy_agent.running()
+    no_traceback(busy_agent)
+
+
+# --- 7. token rotation ---------------------------------------------------------------------------------
+
+
+def test_rotated_token_stops_the_agent_with_the_fix(orchestrator, fleet, agents):
+    worker = fleet.create_worker(labels={"pool": fleet.tag})
+    agent = agents.start(worker)
+    agents.wait_ready(agent)
+
+    rotated = admin_post(orchestrator, f"/api/admin/workers/{worker.id}/token")
+    assert rotated["token"] != worker.token
+    assert agent.wait_exit(timeout=PROMPT_EXIT_S) == 1, agent.describe()
+    # The stream's shutdown event names the rotation; a heartbeat racing it gets a 401 that names it too.
+    error = agent.lines()[agent.wait_for_line(re.compile(r"token rotated|token may have been rotated"), timeout=0)]
+    assert re.search(r"Fix: .*request a new (token|one)", error), agent.describe()
+    no_traceback(agent)
+
+
+# --- 8. the agent's own configuration errors -----------------------------------------------------------
+
+
+def test_agent_configuration_errors(orchestrator, fleet, agents):
+    worker = fleet.create_worker(labels={"pool": fleet.tag}, worker_type="ephemeral")
+    no_url = agents.spawn(["--worker-token", "wt_" + "x" * 43, "--name", "no-url"], label="no-url")
+    wrong_token = agents.spawn(
+        ["--orchestrator-url", orchestrator.base_url, "--worker-token", "wt_" + "x" * 43, "--name", worker.name],
+        label="wrong-token",
+    )
+    unreachable = agents.spawn(
+        ["--orchestrator-url", f"http://127.0.0.1:{free_port()}", "--name", "unreachable"],
+        label="unreachable",
+        env=agents.env(SIMPLETUNER_WORKER_TOKEN=worker.token),
+    )
+
+    assert no_url.wait_exit() == 2, no_url.describe()
+    (line,) = no_url.lines()
+    assert line.startswith("simpletuner worker: error: no orchestrator URL") and "Fix: " in line, line
+
+    assert wrong_token.wait_exit() == 1, wrong_token.describe()
+    assert "invalid token" in wrong_token.lines()[-1] and "Fix: " in wrong_token.lines()[-1], wrong_token.describe()
+    no_traceback(wrong_token)
+    assert worker.state()["status"] == "connecting"  # never registered
+
+    unreachable.wait_for_line(re.compile(r"Cannot register: .*connection refused.*retrying in \d+s"))
+    unreachable.assert_keeps_running(2)
+    unreachable.terminate()
+    assert unreachable.wait_exit(timeout=PROMPT_EXIT_S) == 0, unreachable.describe()
+    assert unreachable.has_line("Disconnecting (SIGTERM received)")
+    no_traceback(unreachable)
+
+
+# --- 9. SIGTERM while a job runs --------------------------------------------------------------------------
+
+
+def test_sigterm_lets_the_job_finish_and_a_second_stops_it(orchestrator, fleet, agents):
+    finish_labels = {"pool": fleet.tag, "role": "finish"}
+    stop_labels = {"pool": fleet.tag, "role": "stop"}
+    finishing = fleet.create_worker(labels=finish_labels)
+    stopping = fleet.create_worker(labels=stop_labels)
+    finishing_agent, stopping_agent = agents.start(finishing), agents.start(stopping)
+    agents.wait_ready(finishing_agent)
+    agents.wait_ready(stopping_agent)
+    finished_job = agents.submit(labels=finish_labels, config=SHORT_JOB)["job_id"]
+    stopped_job = agents.submit(labels=stop_labels, config=LONG_JOB)["job_id"]
+    job_mid_run(orchestrator, finished_job)
+    job_mid_run(orchestrator, stopped_job)
+
+    # One signal: the job runs to its end and is reported, then the agent leaves.
+    finishing_agent.terminate()
+    stopping_agent.terminate()
+    finishing_agent.wait_for_line(f"SIGTERM: finishing job {finished_job}, then exiting")
+    stopping_agent.wait_for_line(f"SIGTERM: finishing job {stopped_job}, then exiting")
+    # A second signal: the job stops now and the agent disconnects, handing the job back to the queue.
+    stopping_agent.terminate()
+    stopping_agent.wait_for_line(f"SIGTERM again: stopping job {stopped_job} now")
+
+    job = job_in(orchestrator, finished_job, "completed", "failed", "cancelled", "queued", timeout=JOB_DEADLINE_S)
+    assert (job["status"], job["exit_code"], job["attempt_count"]) == ("completed", 0, 1), job
+    assert finishing_agent.wait_exit(timeout=GRACEFUL_EXIT_S) == 0, finishing_agent.describe()
+    assert finishing_agent.has_line(f"Job {finished_job} completed in")
+    assert finishing.state()["status"] == "offline"
+
+    assert stopping_agent.wait_exit(timeout=GRACEFUL_EXIT_S) == 0, stopping_agent.describe()
+    assert stopping_agent.has_line(f"Job {stopped_job} stopped after")
+    job = orchestrator.job(stopped_job)
+    assert job["status"] == "queued", job
+    assert job["retry_count"] == 1
+    (first,) = job["attempts"]  # disconnecting took the worker offline with the requeue: no dispatch back to it
+    assert (first["worker_id"], first["outcome"]) == (stopping.id, "lost")
+    assert "disconnected" in first["error"]
+    assert "stopped by signal at step" in (stopping_agent.work_dir / stopped_job / "train.log").read_text()
+    assert stopping.state()["status"] == "offline"
+    assert not trainer_processes(stopping_agent.work_dir / stopped_job)
+
+
+# --- graceful exit is prompt ------------------------------------------------------------------------------
+
+
+def test_sigterm_while_idle_exits_promptly(orchestrator, fleet, agents):
+    worker = fleet.create_worker(labels={"pool": fleet.tag})
+    agent = agents.start(worker)
+    agents.wait_ready(agent)
+
+    agent.terminate()
+    agent.wait_for_line("Disconnecting (SIGTERM received)")
+    worker_when(orchestrator, worker.id, lambda w: w["status"] == "offline", message="worker offline")
+    assert agent.wait_exit(timeout=PROMPT_EXIT_S) == 0, agent.describe()
+    no_traceback(agent)
