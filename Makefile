@@ -43,6 +43,7 @@ agent-wheel: install
 ## Benchmarks (see BENCHMARKS.md)
 bench: install
 	$(PY) bench/stream_cost.py --streams 2000
+	$(PY) bench/sweep_cost.py
 
 clean:
 	rm -rf $(VENV) var .pytest_cache

@@ -33,14 +33,30 @@ class Actor:
 
 def audit_record(*, actor, action, target_type="", target_id="", details=None, success=True):
     """Append one audit row for ``action`` by ``actor`` on ``target_type:target_id``; return it."""
-    return AuditEvent.objects.create(
-        actor_type=actor.type,
-        actor_id=actor.id,
-        actor_name=actor.name,
-        action=action,
-        target_type=target_type,
-        target_id=str(target_id or ""),
-        details=details or {},
-        client_ip=actor.ip,
-        success=success,
+    (event,) = audit_events(
+        actor=actor, action=action, target_type=target_type, rows=[(target_id, details)], success=success
     )
+    event.save()
+    return event
+
+
+def audit_events(*, actor, action, target_type, rows, success=True):
+    """Return unsaved audit rows by ``actor``, one per ``(target_id, details)`` in ``rows``.
+
+    For set-based writers (sweeps): gather every row, then ``AuditEvent.objects.bulk_create(...)`` them
+    in the transaction of the change they record.
+    """
+    return [
+        AuditEvent(
+            actor_type=actor.type,
+            actor_id=actor.id,
+            actor_name=actor.name,
+            action=action,
+            target_type=target_type,
+            target_id=str(target_id or ""),
+            details=details or {},
+            client_ip=actor.ip,
+            success=success,
+        )
+        for target_id, details in rows
+    ]

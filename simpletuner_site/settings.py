@@ -184,6 +184,9 @@ SIMPLETUNER = {
     "HEARTBEAT_INTERVAL": _env_seconds("SIMPLETUNER_HEARTBEAT_INTERVAL", 30),
     "HEARTBEAT_TIMEOUT": _env_seconds("SIMPLETUNER_HEARTBEAT_TIMEOUT", 120),
     "HEALTH_CHECK_INTERVAL": _env_seconds("SIMPLETUNER_HEALTH_CHECK_INTERVAL", 60),
+    # An agent acknowledges a job_submit with `starting` within milliseconds and a reconnecting stream
+    # redelivers it, so a dispatch still unacknowledged after this long was lost in transit: requeue it.
+    "DISPATCH_ACK_TIMEOUT": _env_seconds("SIMPLETUNER_DISPATCH_ACK_TIMEOUT", 60),
     "EPHEMERAL_CLEANUP_AFTER": _env_seconds("SIMPLETUNER_EPHEMERAL_CLEANUP_AFTER", 3600),
     "JOB_MAX_RETRIES": _env_int("SIMPLETUNER_JOB_MAX_RETRIES", 3, minimum=0),
     # The built-in local worker that `simpletuner server` starts (see simpletuner_site.local_worker).

@@ -10,29 +10,17 @@ from django.utils import timezone
 
 from audit import actions
 from audit.models import AuditEvent
-from audit.services import Actor
+from audit.services import Actor, audit_events
 from job_queue.models import AttemptOutcome, Job, JobAttempt, JobStatus
 
-from .models import WORKER_TRANSITIONS, Worker, WorkerStatus
+from . import events
+from .models import WORKER_TRANSITIONS, Token, Worker, WorkerStatus, WorkerType
 
 logger = logging.getLogger(__name__)
 
 HEALTH = Actor.system("health-sweep")
-
-
-def _audit_rows(actor, action, target_type, rows):
-    return [
-        AuditEvent(
-            actor_type=actor.type,
-            actor_id=actor.id,
-            actor_name=actor.name,
-            action=action,
-            target_type=target_type,
-            target_id=target_id,
-            details=details,
-        )
-        for target_id, details in rows
-    ]
+CLEANUP = Actor.system("ephemeral-cleanup")
+EPHEMERAL_CLEANUP_REASON = "ephemeral cleanup"
 
 
 def sweep_stale_workers(*, now=None, actor=HEALTH):
@@ -52,6 +40,7 @@ def sweep_stale_workers(*, now=None, actor=HEALTH):
         stale = list(
             Worker.objects.select_for_update(skip_locked=True)
             .filter(status__in=going_offline, last_heartbeat__lt=cutoff)
+            .order_by()  # the model's ordering (name) would make SQLite walk the name index, not worker_status_hb
             .values_list("pk", "status")
         )
         if not stale:
@@ -60,6 +49,7 @@ def sweep_stale_workers(*, now=None, actor=HEALTH):
         jobs = list(
             Job.objects.select_for_update(skip_locked=True)
             .filter(worker_id__in=worker_ids, status__in=[JobStatus.DISPATCHED, JobStatus.RUNNING])
+            .order_by()
             .values_list("pk", "status", "worker_id", "lease_id", "retry_count", "max_retries", "attempt_count")
         )
         unacked = [j for j in jobs if j[1] == JobStatus.DISPATCHED]
@@ -88,28 +78,28 @@ def sweep_stale_workers(*, now=None, actor=HEALTH):
             outcome=AttemptOutcome.LOST, error=reason, finished_at=now
         )
 
-        audit = _audit_rows(
-            actor,
-            actions.WORKER_STATUS_CHANGED,
-            "worker",
-            [(pk, {"from": status, "to": WorkerStatus.OFFLINE, "reason": reason}) for pk, status in stale],
+        audit = audit_events(
+            actor=actor,
+            action=actions.WORKER_STATUS_CHANGED,
+            target_type="worker",
+            rows=[(pk, {"from": status, "to": WorkerStatus.OFFLINE, "reason": reason}) for pk, status in stale],
         )
         for group, to, spent in ((unacked, JobStatus.QUEUED, False), (retry, JobStatus.QUEUED, True), (exhausted, JobStatus.FAILED, False)):
-            audit += _audit_rows(
-                actor,
-                actions.JOB_STATUS_CHANGED,
-                "job",
-                [
+            audit += audit_events(
+                actor=actor,
+                action=actions.JOB_STATUS_CHANGED,
+                target_type="job",
+                rows=[
                     (j[0], {"from": j[1], "to": to, "reason": f"worker {j[2]} lost: {reason}", "attempt": j[6], "worker": j[2]})
                     for j in group
                 ],
             )
             if to == JobStatus.QUEUED:
-                audit += _audit_rows(
-                    actor,
-                    actions.JOB_REQUEUED,
-                    "job",
-                    [
+                audit += audit_events(
+                    actor=actor,
+                    action=actions.JOB_REQUEUED,
+                    target_type="job",
+                    rows=[
                         (j[0], {"reason": reason, "retry_spent": spent, "retry_count": j[4] + spent, "max_retries": j[5], "previous_worker": j[2]})
                         for j in group
                     ],
@@ -122,4 +112,62 @@ def sweep_stale_workers(*, now=None, actor=HEALTH):
             transaction.on_commit(dispatch_pending, robust=True)
     result = {"workers": len(stale), "requeued": len(unacked) + len(retry), "failed": len(exhausted)}
     logger.info("health sweep: %(workers)d worker(s) offline, %(requeued)d job(s) requeued, %(failed)d failed", result)
+    return result
+
+
+def sweep_offline_ephemeral_workers(*, now=None, actor=CLEANUP):
+    """Delete ephemeral workers offline for longer than ``EPHEMERAL_CLEANUP_AFTER``, with their tokens.
+
+    Their audit trail stays, and so does their job history: jobs and attempts keep ``worker_name``
+    and lose only the link. A worker still holding a job is kept. Each deletion is audited
+    (``worker.deleted``, reason "ephemeral cleanup"). Runs a fixed number of queries whatever the
+    number of workers; a worker row locked by a concurrent request (its agent coming back) is
+    skipped. Return ``{"workers": n}``.
+    """
+    now = now or timezone.now()
+    after = settings.SIMPLETUNER["EPHEMERAL_CLEANUP_AFTER"]
+    cutoff = now - timedelta(seconds=after)
+    with transaction.atomic():
+        doomed = list(
+            Worker.objects.select_for_update(skip_locked=True)
+            .filter(worker_type=WorkerType.EPHEMERAL, status=WorkerStatus.OFFLINE, status_changed_at__lt=cutoff)
+            .order_by()
+            .values_list("pk", "name", "labels", "status_changed_at", "stream_id", "current_job_id")
+        )
+        # Filtered here, not in SQL: "current_job IS NULL" would lead SQLite to its (useless) unique index.
+        doomed = [w[:5] for w in doomed if w[5] is None]
+        if not doomed:
+            return {"workers": 0}
+        ids = [w[0] for w in doomed]
+        # A stream some process still believes open is closed once the worker is gone.
+        with_stream = [w[0] for w in doomed if w[4] is not None]
+        stream_tokens = {}
+        for worker_id, token_id in Token.objects.filter(worker_id__in=with_stream).values_list("worker_id", "pk"):
+            stream_tokens.setdefault(worker_id, []).append(token_id)
+        AuditEvent.objects.bulk_create(
+            audit_events(
+                actor=actor,
+                action=actions.WORKER_DELETED,
+                target_type="worker",
+                rows=[
+                    (
+                        pk,
+                        {
+                            "name": name,
+                            "worker_type": WorkerType.EPHEMERAL,
+                            "labels": labels,
+                            "reason": EPHEMERAL_CLEANUP_REASON,
+                            "offline_since": offline_since.isoformat(),
+                        },
+                    )
+                    for pk, name, labels, offline_since, _stream in doomed
+                ],
+            )
+        )
+        # on_delete does the rest: tokens go with the worker, jobs and attempts keep worker_name.
+        Worker.objects.filter(pk__in=ids, status=WorkerStatus.OFFLINE).delete()
+        for worker_id, token_ids in stream_tokens.items():
+            events.revoke_streams_on_commit(worker_id, token_ids, "worker deleted")
+    result = {"workers": len(doomed)}
+    logger.info("ephemeral cleanup: %(workers)d offline ephemeral worker(s) deleted", result)
     return result

@@ -8,3 +8,8 @@ from . import sweeps
 @shared_task(name="workers.sweep_stale_workers", ignore_result=True)
 def sweep_stale_workers():
     return sweeps.sweep_stale_workers()
+
+
+@shared_task(name="workers.sweep_offline_ephemeral_workers", ignore_result=True)
+def sweep_offline_ephemeral_workers():
+    return sweeps.sweep_offline_ephemeral_workers()

@@ -242,12 +242,15 @@ class AgentRunner:
         self.agents.append(agent)
         return agent
 
-    def start(self, worker, *, persistent=True, token_in_env=True, extra_args=(), env=None):
-        """Start an agent for ``worker`` (a WorkerHandle) running the example trainer; return it."""
+    def start(self, worker, *, persistent=True, token_in_env=True, extra_args=(), env=None, orchestrator_url=None):
+        """Start an agent for ``worker`` (a WorkerHandle) running the example trainer; return it.
+
+        ``orchestrator_url`` replaces the orchestrator's own URL (e.g. a proxy in front of it).
+        """
         label = f"agent-{len(self.agents) + 1}"
         work_dir = self.base_dir / label / "jobs"
         args = [
-            "--orchestrator-url", self.orch.base_url,
+            "--orchestrator-url", orchestrator_url or self.orch.base_url,
             "--name", worker.name,
             "--work-dir", str(work_dir),
             "--command", TRAINER_COMMAND,

@@ -6,6 +6,7 @@ import os
 import queue
 import re
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+import psutil
 import requests
 
 from worker_agent.agent import socket_of
@@ -42,6 +44,18 @@ def free_port():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def stop_process(process, grace=STOP_GRACE_S):
+    """Terminate ``process`` (None or already ended is fine): SIGTERM, then SIGKILL after ``grace`` seconds."""
+    if process is None or process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=grace)
 
 
 def poll(predicate, *, timeout, interval=0.05, message="condition"):
@@ -106,16 +120,30 @@ def drop_database(server_url, database_url):
 
 
 class Orchestrator:
-    """A migrated data dir, an operator token and a daphne process serving the orchestrator."""
+    """A migrated data dir, an operator token and a daphne process serving the orchestrator.
 
-    def __init__(self, *, backend, data_dir, database_url=None, redis_url=None):
+    By default daphne is started directly: no sweeps run. With ``via_cli`` the server is
+    ``simpletuner server --no-local-worker --no-migrate`` instead, whose embedded scheduler runs the
+    sweeps when there is no ``redis_url``; with ``celery`` a Celery worker with embedded beat
+    (``celery -A simpletuner_site.celery worker -B``) runs them beside it, in the same environment.
+    ``extra_env`` (e.g. the ``SIMPLETUNER_*`` timers) is added to the environment of every process.
+    """
+
+    def __init__(
+        self, *, backend, data_dir, database_url=None, redis_url=None, via_cli=False, celery=False, extra_env=None
+    ):
         self.backend = backend
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.data_dir / "daphne.log"
+        self.celery_log_path = self.data_dir / "celery.log"
         self.database_url = database_url
         self.redis_url = redis_url
+        self.via_cli = via_cli
+        self.celery = celery
+        self.extra_env = dict(extra_env or {})
         self.process = None
+        self.celery_process = None
         self.port = None
         self.base_url = None
         self.admin_token = None
@@ -134,6 +162,7 @@ class Orchestrator:
             env["DATABASE_URL"] = self.database_url
         if self.redis_url:
             env["REDIS_URL"] = self.redis_url
+        env.update(self.extra_env)
         return env
 
     def manage(self, *args, timeout=180):
@@ -165,20 +194,32 @@ class Orchestrator:
         for _ in range(3):  # a port taken between free_port() and daphne's bind: try another
             try:
                 self._spawn(free_port())
-                return self
+                break
             except HarnessError as exc:
                 last_error = exc
                 self.stop()
-        raise last_error
+        else:
+            raise last_error
+        if self.celery:
+            self._spawn_celery()
+        return self
+
+    def _server_argv(self, port):
+        if self.via_cli:
+            return [
+                sys.executable, "-m", "simpletuner_site.cli", "server",
+                "--host", "127.0.0.1", "--port", str(port), "--no-local-worker", "--no-migrate",
+            ]  # fmt: skip
+        return [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), ASGI_APPLICATION]
 
     def _spawn(self, port):
         self.port = port
         self.base_url = f"http://127.0.0.1:{port}"
         with open(self.log_path, "ab") as log:
-            log.write(f"\n===== starting daphne on port {port} =====\n".encode())
+            log.write(f"\n===== starting the server on port {port} =====\n".encode())
             log.flush()
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), ASGI_APPLICATION],
+                self._server_argv(port),
                 cwd=REPO_ROOT,
                 env=self.env(),
                 stdout=log,
@@ -201,18 +242,77 @@ class Orchestrator:
             time.sleep(0.1)
         raise HarnessError(f"daphne did not answer within {START_DEADLINE_S}s (last: {last})\n{self.read_log()}")
 
+    def _spawn_celery(self):
+        """Start a Celery worker with embedded beat; wait until it says it is ready (HarnessError if not)."""
+        argv = [
+            sys.executable, "-m", "celery", "-A", "simpletuner_site.celery", "worker", "-B",
+            "--loglevel", "INFO", "--concurrency", "1", "--without-gossip", "--without-mingle",
+            "--hostname", f"e2e-{secrets.token_hex(4)}@%h", "--schedule", str(self.data_dir / "celerybeat-schedule"),
+        ]  # fmt: skip
+        offset = self.celery_log_size()
+        with open(self.celery_log_path, "ab") as log:
+            self.celery_process = subprocess.Popen(
+                argv,
+                cwd=REPO_ROOT,
+                env=self.env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=parent_death_signal(),
+            )
+        deadline = time.monotonic() + START_DEADLINE_S
+        while time.monotonic() < deadline:
+            if self.celery_process.poll() is not None:
+                raise HarnessError(f"celery exited with {self.celery_process.returncode}\n{self.read_celery_log(offset)}")
+            text = self.read_celery_log(offset)
+            if " ready." in text and "beat: Starting" in text:
+                return
+            time.sleep(0.1)
+        raise HarnessError(f"celery was not ready within {START_DEADLINE_S}s\n{self.read_celery_log(offset)}")
+
+    def _stop_celery(self):
+        process, self.celery_process = self.celery_process, None
+        if process is None:
+            return
+        try:
+            children = psutil.Process(process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            children = []
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=STOP_GRACE_S)
+        for child in children:  # pool and beat processes it started, should any outlive it
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+
     def stop(self):
-        """Terminate the server (SIGTERM, then SIGKILL after a grace period)."""
+        """Terminate the server (SIGTERM, then SIGKILL after a grace period) and the Celery worker, if any."""
         self.http.close()
         process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        process.terminate()
         try:
+            stop_process(process)
+        finally:
+            self._stop_celery()
+
+    def kill(self):
+        """SIGKILL the server process (not the Celery worker) and reap it: a crash, not a shutdown."""
+        process, self.process = self.process, None
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGKILL)
             process.wait(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=STOP_GRACE_S)
+        self.http.close()
+
+    def restart(self):
+        """Start the server again on the same port and data (after ``kill`` or ``stop``); wait until it answers."""
+        assert self.process is None, "the server is still running"
+        self._spawn(self.port)
+        return self
 
     def is_alive(self):
         return self.process is not None and self.process.poll() is None
@@ -223,15 +323,25 @@ class Orchestrator:
         except FileNotFoundError:
             return 0
 
-    def read_log(self, offset=0, limit=40_000):
+    def read_log(self, offset=0, limit=40_000, *, path=None):
         """Return the server log from byte ``offset`` (at most the last ``limit`` characters)."""
         try:
-            with open(self.log_path, "rb") as fh:
+            with open(path or self.log_path, "rb") as fh:
                 fh.seek(offset)
                 text = fh.read().decode("utf-8", "replace")
         except FileNotFoundError:
             return "(no log)"
         return text if len(text) <= limit else "...\n" + text[-limit:]
+
+    def celery_log_size(self):
+        try:
+            return self.celery_log_path.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def read_celery_log(self, offset=0, limit=40_000):
+        """Return the Celery worker's log from byte ``offset``."""
+        return self.read_log(offset, limit, path=self.celery_log_path)
 
     # HTTP
 

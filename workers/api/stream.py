@@ -9,8 +9,6 @@ import logging
 import re
 import uuid
 
-from asgiref.sync import sync_to_async
-from django.db import close_old_connections, connection
 from django.http import StreamingHttpResponse
 from django_eventstream.eventrequest import EventRequest
 from django_eventstream.eventstream import get_current_event_id
@@ -21,23 +19,10 @@ from simpletuner_site.api import client_ip, error_response
 
 from .. import events, services
 from ..authentication import WORKER_TOKEN_HEADER
-from ..events import StreamPrincipal, worker_channel
+from ..events import StreamPrincipal, in_db_thread, worker_channel
 from ..models import TokenKind
 
 logger = logging.getLogger(__name__)
-
-
-def _released(fn):
-    """Run ``fn`` in a thread pool thread and close that thread's DB connection afterwards."""
-
-    def wrapper(*args, **kwargs):
-        close_old_connections()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            connection.close()
-
-    return sync_to_async(wrapper, thread_sensitive=False)
 
 
 _STREAM_RESET = re.compile(r"(event: stream-reset\n(?:id: [^\n]*\n)?data: )\{")
@@ -55,7 +40,7 @@ def sse_shutdown(reason):
     return sse_encode_event(events.SHUTDOWN, {"type": events.SHUTDOWN, "reason": reason}, json_encode=True)
 
 
-@_released
+@in_db_thread
 def _open(secret, claimed_worker_id, stream_id, replaying, ip):
     token = services.token_authenticate(kind=TokenKind.WORKER, plaintext=secret)
     if token is None:
@@ -69,7 +54,7 @@ def _open(secret, claimed_worker_id, stream_id, replaying, ip):
     return token, current, None
 
 
-@_released
+@in_db_thread
 def _close(worker_id, stream_id):
     services.worker_stream_closed(worker_id=worker_id, stream_id=stream_id)
 

@@ -1,17 +1,22 @@
-"""The health sweep: stale workers go offline and their jobs are recovered by the retry rules."""
+"""The health sweep (stale workers go offline, their jobs recovered by the retry rules) and the ephemeral cleanup."""
 
 from datetime import timedelta
 
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from audit import actions
 from audit.models import AuditEvent
 from job_queue.models import AttemptOutcome, Job, JobStatus
 from job_queue.tests.factories import JobFactory, job_on_worker
-from workers.models import Worker, WorkerStatus
-from workers.sweeps import sweep_stale_workers
+from workers import events, tasks
+from workers.models import Token, Worker, WorkerStatus, WorkerType
+from workers.sweeps import sweep_offline_ephemeral_workers, sweep_stale_workers
 
-from .factories import WorkerFactory
+from .factories import WorkerFactory, worker_token
+from .support import audit_rows
 
 pytestmark = pytest.mark.django_db
 
@@ -86,3 +91,126 @@ def test_sweep_cost_does_not_grow_with_the_fleet(django_assert_max_num_queries):
     # A fixed number of statements, whatever the number of stale workers and jobs.
     with django_assert_max_num_queries(14):
         assert sweep_stale_workers()["workers"] == 30
+
+
+# --- ephemeral cleanup ----------------------------------------------------------------------------
+
+
+def gone_ephemeral(offline_for=timedelta(hours=2), **kwargs):
+    """Return an ephemeral worker offline for ``offline_for``, with a token."""
+    worker = WorkerFactory(worker_type=WorkerType.EPHEMERAL, offline=True, **kwargs)
+    Worker.objects.filter(pk=worker.pk).update(status_changed_at=timezone.now() - offline_for)
+    worker_token(worker)
+    worker.refresh_from_db()
+    return worker
+
+
+def test_ephemeral_workers_offline_for_longer_than_the_setting_are_deleted_with_their_tokens():
+    doomed = gone_ephemeral()
+    kept = [
+        gone_ephemeral(offline_for=timedelta(minutes=50)),  # not long enough
+        WorkerFactory(worker_type=WorkerType.PERSISTENT, offline=True),  # persistent workers stay
+        WorkerFactory(worker_type=WorkerType.EPHEMERAL),  # online
+    ]
+    Worker.objects.filter(pk=kept[1].pk).update(status_changed_at=timezone.now() - timedelta(days=3))
+    idle_long = WorkerFactory(worker_type=WorkerType.EPHEMERAL)  # idle for a long time, but heartbeating
+    Worker.objects.filter(pk=idle_long.pk).update(status_changed_at=timezone.now() - timedelta(days=3))
+
+    assert sweep_offline_ephemeral_workers() == {"workers": 1}
+
+    assert not Worker.objects.filter(pk=doomed.pk).exists()
+    assert not Token.objects.filter(worker_id=doomed.pk).exists()
+    assert set(Worker.objects.values_list("pk", flat=True)) == {w.pk for w in kept} | {idle_long.pk}
+    (deleted,) = audit_rows(actions.WORKER_DELETED)
+    assert (deleted.target_id, deleted.actor_type, deleted.actor_name) == (doomed.pk, "system", "ephemeral-cleanup")
+    assert deleted.details["reason"] == "ephemeral cleanup"
+    assert (deleted.details["name"], deleted.details["worker_type"]) == (doomed.name, "ephemeral")
+
+
+def test_the_cleanup_age_is_the_setting(settings):
+    settings.SIMPLETUNER = {**settings.SIMPLETUNER, "EPHEMERAL_CLEANUP_AFTER": 60}
+    worker = gone_ephemeral(offline_for=timedelta(minutes=2))
+
+    assert sweep_offline_ephemeral_workers() == {"workers": 1}
+    assert not Worker.objects.filter(pk=worker.pk).exists()
+
+
+def test_deleted_worker_keeps_its_audit_trail_and_job_history():
+    worker = WorkerFactory(worker_type=WorkerType.EPHEMERAL)
+    job = job_on_worker(worker, status=JobStatus.RUNNING)
+    sweep_stale_workers(now=timezone.now() + timedelta(hours=1))  # the spot instance vanished
+    Job.objects.filter(pk=job.pk).update(status=JobStatus.COMPLETED)
+    before = {e.pk for e in audit_rows(target_id=worker.pk)}
+    assert before  # it went offline, audited
+
+    assert sweep_offline_ephemeral_workers(now=timezone.now() + timedelta(hours=3)) == {"workers": 1}
+
+    assert {e.pk for e in audit_rows(target_id=worker.pk)} == before | {audit_rows(actions.WORKER_DELETED)[0].pk}
+    job.refresh_from_db()
+    assert (job.worker_id, job.worker_name) == (None, worker.name)
+    (attempt,) = job.attempts.all()
+    assert (attempt.worker_id, attempt.worker_name, attempt.outcome) == (None, worker.name, AttemptOutcome.LOST)
+
+
+def test_an_offline_worker_that_still_holds_a_job_is_kept():
+    worker = gone_ephemeral()
+    job = JobFactory(status=JobStatus.RUNNING)
+    Worker.objects.filter(pk=worker.pk).update(current_job=job)
+
+    assert sweep_offline_ephemeral_workers() == {"workers": 0}
+    assert Worker.objects.filter(pk=worker.pk).exists()
+
+
+def test_a_stream_still_believed_open_is_closed_on_commit(commit, monkeypatch):
+    sent = []
+    monkeypatch.setattr(events, "send_event", lambda channel, kind, data: sent.append((channel, kind, data)))
+    with_stream = gone_ephemeral(stream_id="s-1")
+    gone_ephemeral()  # no stream: nothing to close
+    token_id = Token.objects.get(worker_id=with_stream.pk).pk
+
+    with commit():
+        assert sweep_offline_ephemeral_workers() == {"workers": 2}
+
+    assert sent == [
+        (
+            f"_control:worker-{with_stream.pk}",
+            events.REVOKE,
+            {"tokens": [events.stream_principal_id(token_id)], "reason": "worker deleted"},
+        )
+    ]
+
+
+def test_a_deleted_workers_token_no_longer_authenticates(worker_client):
+    worker = WorkerFactory(worker_type=WorkerType.EPHEMERAL, offline=True)
+    token = worker_token(worker)
+    Worker.objects.filter(pk=worker.pk).update(status_changed_at=timezone.now() - timedelta(hours=2))
+    sweep_offline_ephemeral_workers()
+
+    response = worker_client(worker, token=token).post("/api/workers/heartbeat", {})
+
+    assert response.status_code == 401
+
+
+def test_cleanup_cost_does_not_grow_with_the_number_of_workers(django_assert_max_num_queries):
+    def fleet(count):
+        for _ in range(count):
+            worker = gone_ephemeral()
+            JobFactory(status=JobStatus.COMPLETED, worker=worker, worker_name=worker.name)
+
+    fleet(3)
+    with CaptureQueriesContext(connection) as few:
+        assert sweep_offline_ephemeral_workers()["workers"] == 3
+    fleet(30)
+    with django_assert_max_num_queries(len(few)):
+        assert sweep_offline_ephemeral_workers()["workers"] == 30
+    assert not Worker.objects.exists() and not Token.objects.exists()
+    assert Job.objects.filter(worker__isnull=True).count() == 33
+    assert len(audit_rows(actions.WORKER_DELETED)) == 33
+
+
+def test_the_celery_task_runs_the_cleanup():
+    worker = gone_ephemeral()
+
+    tasks.sweep_offline_ephemeral_workers()
+
+    assert not Worker.objects.filter(pk=worker.pk).exists()
