@@ -421,6 +421,7 @@ def run_server(args):
     if args.proxy_headers:
         daphne_args.append("--proxy-headers")
     scheduler = local_worker = None
+    presence = start_presence_beacon()
     try:
         if not settings.REDIS_URL:
             # Embedded mode: no broker, so the sweeps Celery beat would run are run in-process instead.
@@ -443,7 +444,36 @@ def run_server(args):
             local_worker.stop()
         if scheduler is not None:
             scheduler.stop()
+        presence.stop()
     return 0
+
+
+def start_presence_beacon():
+    """Record this server process's presence now and every few seconds (see ``ServerPresence``).
+
+    The heartbeat sweep, wherever it runs, takes workers offline only while some server was up to hear
+    them; a server that stops or dies stops writing, and its silence is the signal.
+    """
+    import functools
+    import secrets
+
+    from django.utils import timezone
+
+    from workers.services import presence_interval, server_presence_beat
+
+    from .scheduler import EmbeddedScheduler
+
+    hostname, pid = socket.gethostname(), os.getpid()
+    beat = functools.partial(
+        server_presence_beat,
+        process_id=f"{hostname}:{pid}:{secrets.token_hex(4)}",
+        hostname=hostname,
+        pid=pid,
+        started_at=timezone.now(),
+    )
+    beacon = EmbeddedScheduler(schedule=[("server presence", beat, presence_interval())])
+    beacon.run_once("server presence", beat)
+    return beacon.start()
 
 
 def start_local_worker(*, settings, host, port, cert=None, certfile=None, verbose=0):

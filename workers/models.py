@@ -147,3 +147,21 @@ class Token(models.Model):
     @property
     def is_active(self):
         return self.revoked_at is None
+
+
+class ServerPresence(models.Model):
+    """A ``simpletuner server`` process's sign of life, written every few seconds while it serves.
+
+    The heartbeat sweep trusts a worker's silence only while some server was up to hear it: when no
+    server is alive (an outage, a restart) Celery beat, which runs apart from the servers, must not
+    take healthy workers offline.
+    """
+
+    id = models.CharField(primary_key=True, max_length=120)  # "<host>:<pid>:<random>"
+    hostname = models.CharField(max_length=255)
+    pid = models.IntegerField()
+    started_at = models.DateTimeField()
+    last_seen = models.DateTimeField(db_index=True)
+
+    def __str__(self):
+        return self.id

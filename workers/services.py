@@ -2,6 +2,7 @@
 
 import logging
 import math
+from datetime import timedelta
 
 from django.db import transaction
 from django.utils import timezone
@@ -13,6 +14,7 @@ from simpletuner_site.errors import Conflict, InvalidInput, InvalidTransition, N
 from . import events
 from .models import (
     WORKER_TRANSITIONS,
+    ServerPresence,
     Token,
     TokenKind,
     Worker,
@@ -521,3 +523,27 @@ def worker_stream_refused(*, reason, token_prefix, ip):
             details={"reason": reason, "token_prefix": token_prefix},
             success=False,
         )
+
+
+# --- server presence (who was up to hear heartbeats) ---------------------------------------------
+
+PRESENCE_KEEP = timedelta(days=7)
+
+
+def presence_interval():
+    """Return how often (seconds) a server writes its presence: at most every 10 s, and at least as
+    often as agents heartbeat, so a dead server is noticed before a worker's silence counts."""
+    from django.conf import settings
+
+    return min(10.0, float(settings.SIMPLETUNER["HEARTBEAT_INTERVAL"]))
+
+
+def server_presence_beat(*, process_id, hostname, pid, started_at, now=None):
+    """Record that server process ``process_id`` is up now; forget processes silent for a week."""
+    now = now or timezone.now()
+    updated = ServerPresence.objects.filter(pk=process_id).update(last_seen=now)
+    if not updated:
+        ServerPresence.objects.create(
+            pk=process_id, hostname=hostname[:255], pid=pid, started_at=started_at, last_seen=now
+        )
+        ServerPresence.objects.filter(last_seen__lt=now - PRESENCE_KEEP).delete()

@@ -5,7 +5,7 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F
+from django.db.models import F, Min
 from django.utils import timezone
 
 from audit import actions
@@ -14,13 +14,32 @@ from audit.services import Actor, audit_events
 from job_queue.models import AttemptOutcome, Job, JobAttempt, JobStatus
 
 from . import events
-from .models import WORKER_TRANSITIONS, Token, Worker, WorkerStatus, WorkerType
+from .models import WORKER_TRANSITIONS, ServerPresence, Token, Worker, WorkerStatus, WorkerType
+from .services import presence_interval
 
 logger = logging.getLogger(__name__)
 
 HEALTH = Actor.system("health-sweep")
 CLEANUP = Actor.system("ephemeral-cleanup")
 EPHEMERAL_CLEANUP_REASON = "ephemeral cleanup"
+
+
+def servers_silent_reason(*, now, timeout):
+    """Return why workers' silence proves nothing right now (no server was up to hear them), or None.
+
+    Servers record their presence (``ServerPresence``); with no record at all (servers that do not
+    record it, unit tests) silence counts as before. Otherwise it counts only while a server is alive
+    and some live server has been up for the whole heartbeat timeout.
+    """
+    live_after = now - timedelta(seconds=1.5 * presence_interval())
+    up_since = ServerPresence.objects.filter(last_seen__gte=live_after).aggregate(up_since=Min("started_at"))["up_since"]
+    if up_since is None:
+        if ServerPresence.objects.exists():
+            return "no orchestrator server is up to receive heartbeats"
+        return None
+    if up_since > now - timedelta(seconds=timeout):
+        return f"the orchestrator servers have been up only {(now - up_since).total_seconds():.0f} s"
+    return None
 
 
 def sweep_stale_workers(*, now=None, actor=HEALTH):
@@ -36,6 +55,10 @@ def sweep_stale_workers(*, now=None, actor=HEALTH):
     cutoff = now - timedelta(seconds=timeout)
     going_offline = WORKER_TRANSITIONS[WorkerStatus.OFFLINE]
     reason = f"no heartbeat for {timeout:g} s"
+    silent = servers_silent_reason(now=now, timeout=timeout)
+    if silent:
+        logger.warning("health sweep: no worker taken offline: %s (their heartbeats had nowhere to go)", silent)
+        return {"workers": 0, "requeued": 0, "failed": 0}
     with transaction.atomic():
         stale = list(
             Worker.objects.select_for_update(skip_locked=True)

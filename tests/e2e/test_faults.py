@@ -247,7 +247,9 @@ def trainer_of(agent, job_id):
     return trainer
 
 
-def assert_gone(process, *, timeout=10, what="process"):
+def assert_gone(process, *, timeout=30, what="process"):
+    # Generous: a trainer stopped by SIGTERM writes and fsyncs its checkpoint first, which took over
+    # 10 s once on this 2-core machine while another suite and PostgreSQL were busy beside it.
     poll(lambda: process_gone(process), timeout=timeout, message=f"{what} pid {process.pid} to end")
 
 
@@ -562,17 +564,9 @@ def test_orchestrator_down_longer_than_the_heartbeat_timeout_resumes_the_job(
     answers. The spec ("Orchestrator restarts: workers reconnect, report in-progress jobs, the
     orchestrator reconciles state and resumes") asks for the job to carry on.
     """
-    if backend == "postgres":
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="product: Celery beat keeps sweeping while the web server is down, so every worker "
-                "goes offline after HEARTBEAT_TIMEOUT and its running job is requeued (a retry spent); "
-                "when the server is back the agent is told to abandon a healthy trainer",
-            )
-        )
-    # The embedded scheduler's first sweep comes one interval after the start; heartbeats come more often.
-    orchestrator = own_server.start(SIMPLETUNER_HEALTH_CHECK_INTERVAL=str(2 * HEARTBEAT_INTERVAL_S))
+    # Servers record their presence; the heartbeat sweep (Celery beat keeps running during the
+    # outage in production) counts a worker's silence only while some server was up to hear it.
+    orchestrator = own_server.start()
     stage = Stage(orchestrator, request, tmp_path, blocker_dir)
     try:
         worker = stage.worker()

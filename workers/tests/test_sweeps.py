@@ -214,3 +214,64 @@ def test_the_celery_task_runs_the_cleanup():
     tasks.sweep_offline_ephemeral_workers()
 
     assert not Worker.objects.filter(pk=worker.pk).exists()
+
+
+# --- silence counts only while a server was up to hear it ------------------------------------------
+
+
+def presence(process_id, *, started_ago, seen_ago):
+    from workers.services import server_presence_beat
+
+    now = timezone.now()
+    server_presence_beat(
+        process_id=process_id,
+        hostname="orch-1",
+        pid=1,
+        started_at=now - timedelta(seconds=started_ago),
+        now=now - timedelta(seconds=seen_ago),
+    )
+
+
+def test_a_long_running_live_server_lets_the_sweep_take_silent_workers_offline(settings):
+    settings.SIMPLETUNER = {**settings.SIMPLETUNER, "HEARTBEAT_TIMEOUT": 120, "HEARTBEAT_INTERVAL": 30}
+    presence("a", started_ago=3600, seen_ago=1)
+    stale()
+    assert sweep_stale_workers()["workers"] == 1
+
+
+def test_no_live_server_means_the_silence_proves_nothing(settings):
+    settings.SIMPLETUNER = {**settings.SIMPLETUNER, "HEARTBEAT_TIMEOUT": 120, "HEARTBEAT_INTERVAL": 30}
+    presence("crashed", started_ago=3600, seen_ago=600)  # died 10 minutes ago; Celery beat keeps sweeping
+    worker = stale()
+    job = job_on_worker(worker, status=JobStatus.RUNNING)
+    assert sweep_stale_workers() == {"workers": 0, "requeued": 0, "failed": 0}
+    worker.refresh_from_db()
+    job.refresh_from_db()
+    assert (worker.status, job.status, job.retry_count) == (WorkerStatus.BUSY, JobStatus.RUNNING, 0)
+
+
+def test_after_a_restart_workers_get_a_full_timeout_to_heartbeat_again(settings):
+    settings.SIMPLETUNER = {**settings.SIMPLETUNER, "HEARTBEAT_TIMEOUT": 120, "HEARTBEAT_INTERVAL": 30}
+    presence("old", started_ago=7200, seen_ago=900)  # the server that died
+    presence("new", started_ago=60, seen_ago=1)  # its restart, a minute ago
+    stale()
+    assert sweep_stale_workers()["workers"] == 0
+    later = timezone.now() + timedelta(seconds=61)  # the new server has now been up for the whole timeout
+    presence("new", started_ago=0, seen_ago=-61)
+    assert sweep_stale_workers(now=later)["workers"] == 1
+
+
+def test_one_server_up_all_along_is_enough_when_another_restarts(settings):
+    settings.SIMPLETUNER = {**settings.SIMPLETUNER, "HEARTBEAT_TIMEOUT": 120, "HEARTBEAT_INTERVAL": 30}
+    presence("steady", started_ago=7200, seen_ago=2)
+    presence("restarted", started_ago=5, seen_ago=1)
+    stale()
+    assert sweep_stale_workers()["workers"] == 1
+
+
+def test_presence_rows_of_processes_gone_for_a_week_are_forgotten():
+    from workers.models import ServerPresence
+
+    presence("ancient", started_ago=30 * 86400, seen_ago=8 * 86400)
+    presence("now", started_ago=10, seen_ago=0)
+    assert list(ServerPresence.objects.values_list("pk", flat=True)) == ["now"]
