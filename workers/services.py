@@ -415,47 +415,65 @@ HEARTBEAT_METRIC_FIELDS = (
 def worker_heartbeat(*, worker_id, data, actor):
     """Record liveness (and utilisation/progress if sent); return the worker's view of its state.
 
-    Raise StaleReport if the agent names a job that is no longer its own; nothing is written then.
-    A heartbeat never takes a worker out of draining; an offline worker that heartbeats comes back.
+    Raise StaleReport if the agent names a job that is no longer its own; only that refusal's audit
+    row is written then. A heartbeat never takes a worker out of draining; an offline worker that
+    heartbeats comes back.
     """
-    from job_queue import services as job_services
-
     reported_job_id = data.get("current_job_id") or None
     now = timezone.now()
     with transaction.atomic():
         worker = _lock_worker(worker_id)
-        if reported_job_id and str(reported_job_id) != worker.current_job_id:
-            raise StaleReport(
-                f"job {reported_job_id} is not assigned to worker {worker.name}; stop it",
-                code="job_not_owned",
-                extra={"abandon_job": str(reported_job_id)},
-            )
-        metrics = {k: data[k] for k in HEARTBEAT_METRIC_FIELDS if k in data}
-        fields = {"last_heartbeat": now}
-        if metrics:
-            fields["metrics"] = metrics
-        if worker.status == WorkerStatus.OFFLINE:
-            worker_transition(
-                worker=worker,
-                to=worker_resting_status(worker, busy=worker.current_job_id is not None),
+        refused = bool(reported_job_id) and str(reported_job_id) != worker.current_job_id
+        if refused:
+            # Audited and committed before raising: this refusal is what makes a returning agent stop its copy.
+            audit_record(
                 actor=actor,
-                reason="heartbeat after being offline",
-                **fields,
+                action=actions.JOB_REPORT_REFUSED,
+                target_type="job",
+                target_id=str(reported_job_id),
+                details={"reported": "heartbeat", "reason": "job_not_owned", "worker": worker.pk},
+                success=False,
             )
-            if worker.status == WorkerStatus.IDLE:
-                job_services.dispatch_on_commit(worker_id=worker.pk)
         else:
-            Worker.objects.filter(pk=worker.pk).update(**fields)
-        if reported_job_id and data.get("progress") is not None:
-            job_services.job_record_progress(job_id=worker.current_job_id, worker=worker, data=data)
-        elif not reported_job_id and worker.current_job_id:
-            # The agent runs nothing: a cancelled job it held is over, so the worker is free again.
-            job_services.job_reconcile_idle_agent(worker=worker, actor=actor)
+            _record_heartbeat(worker=worker, data=data, reported_job_id=reported_job_id, now=now, actor=actor)
+    if refused:
+        raise StaleReport(
+            f"job {reported_job_id} is not assigned to worker {worker.name}; stop it",
+            code="job_not_owned",
+            extra={"abandon_job": str(reported_job_id)},
+        )
     return {
         "status": worker.status,
         "draining": worker.drain_requested_at is not None,
         "current_job_id": worker.current_job_id,
     }
+
+
+def _record_heartbeat(*, worker, data, reported_job_id, now, actor):
+    """Write a heartbeat of the locked ``worker``: liveness, metrics, progress, and any state it implies."""
+    from job_queue import services as job_services
+
+    metrics = {k: data[k] for k in HEARTBEAT_METRIC_FIELDS if k in data}
+    fields = {"last_heartbeat": now}
+    if metrics:
+        fields["metrics"] = metrics
+    if worker.status == WorkerStatus.OFFLINE:
+        worker_transition(
+            worker=worker,
+            to=worker_resting_status(worker, busy=worker.current_job_id is not None),
+            actor=actor,
+            reason="heartbeat after being offline",
+            **fields,
+        )
+        if worker.status == WorkerStatus.IDLE:
+            job_services.dispatch_on_commit(worker_id=worker.pk)
+    else:
+        Worker.objects.filter(pk=worker.pk).update(**fields)
+    if reported_job_id and data.get("progress") is not None:
+        job_services.job_record_progress(job_id=worker.current_job_id, worker=worker, data=data)
+    elif not reported_job_id and worker.current_job_id:
+        # The agent runs nothing: a cancelled job it held is over, so the worker is free again.
+        job_services.job_reconcile_idle_agent(worker=worker, actor=actor)
 
 
 def worker_disconnect(*, worker_id, actor, reason="agent disconnected"):

@@ -75,6 +75,19 @@ def sweep_stale_workers(*, now=None, actor=HEALTH):
             .order_by()
             .values_list("pk", "status", "worker_id", "lease_id", "retry_count", "max_retries", "attempt_count")
         )
+        # A worker whose job another transaction holds right now (a cancel, the ack sweep) waits for the
+        # next run: taking it offline now would clear its current job and leave that job orphaned.
+        held_elsewhere = set(
+            Job.objects.filter(worker_id__in=worker_ids, status__in=[JobStatus.DISPATCHED, JobStatus.RUNNING])
+            .exclude(pk__in=[j[0] for j in jobs])
+            .order_by()
+            .values_list("worker_id", flat=True)
+        )
+        if held_elsewhere:
+            stale = [(pk, status) for pk, status in stale if pk not in held_elsewhere]
+            worker_ids = [pk for pk, _ in stale]
+            if not stale:
+                return {"workers": 0, "requeued": 0, "failed": 0}
         unacked = [j for j in jobs if j[1] == JobStatus.DISPATCHED]
         retry = [j for j in jobs if j[1] == JobStatus.RUNNING and j[4] < j[5]]
         exhausted = [j for j in jobs if j[1] == JobStatus.RUNNING and j[4] >= j[5]]

@@ -155,3 +155,24 @@ def test_cleanup_skips_a_worker_whose_row_a_request_holds(postgres_url):
 
     assert list(Worker.objects.values_list("pk", flat=True)) == [coming_back.pk]
     assert [r.target_id for r in audit_rows(actions.WORKER_DELETED)] == [gone.pk]
+
+
+def test_heartbeat_sweep_leaves_a_worker_whose_job_is_held_elsewhere_for_the_next_run(postgres_url):
+    from workers.sweeps import sweep_stale_workers
+
+    silent = timezone.now() - timedelta(seconds=600)
+    held_worker, free_worker = WorkerFactory(last_heartbeat=silent), WorkerFactory(last_heartbeat=silent)
+    held_job = job_on_worker(held_worker, status=JobStatus.RUNNING)
+    free_job = job_on_worker(free_worker, status=JobStatus.RUNNING)
+
+    with row_locked(Job.objects.filter(pk=held_job.pk)):  # e.g. an operator's cancel in flight
+        assert sweep_stale_workers()["workers"] == 1
+        held_worker.refresh_from_db()
+        # Not taken offline with its job still pointing at it: nothing would ever recover that job.
+        assert (held_worker.status, held_worker.current_job_id) == (WorkerStatus.BUSY, held_job.pk)
+
+    assert sweep_stale_workers() == {"workers": 1, "requeued": 1, "failed": 0}
+    held_job.refresh_from_db()
+    free_job.refresh_from_db()
+    assert (held_job.status, held_job.worker_id, held_job.retry_count) == (JobStatus.QUEUED, None, 1)
+    assert free_job.status == JobStatus.QUEUED

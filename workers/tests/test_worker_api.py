@@ -6,6 +6,7 @@ import pytest
 from django.utils import timezone
 
 from audit import actions
+from audit.models import AuditEvent
 from job_queue.models import AttemptOutcome, Job, JobAttempt, JobStatus
 from job_queue.tests.factories import JobFactory, job_on_worker
 from workers.models import Worker, WorkerStatus, WorkerType
@@ -448,7 +449,7 @@ def test_offline_drained_worker_that_heartbeats_comes_back_draining(worker_clien
     assert sent_events() == []
 
 
-def test_heartbeat_naming_a_job_it_does_not_own_is_409_and_writes_nothing(worker_client):
+def test_heartbeat_naming_a_job_it_does_not_own_is_409_changes_nothing_and_is_audited(worker_client):
     long_ago = timezone.now() - timedelta(minutes=1)
     worker = WorkerFactory(last_heartbeat=long_ago, metrics={"cpu_percent": 1.0})
     foreign = job_on_worker(WorkerFactory(), progress={"step": 1})
@@ -464,6 +465,10 @@ def test_heartbeat_naming_a_job_it_does_not_own_is_409_and_writes_nothing(worker
     worker = _reload(worker)
     assert (worker.last_heartbeat, worker.metrics) == (long_ago, {"cpu_percent": 1.0})
     assert _reload(foreign).progress == {"step": 1}
+    (refusal,) = AuditEvent.objects.filter(action="job.report_refused", target_id=foreign.pk)
+    assert (refusal.success, refusal.actor_id, refusal.details["reported"], refusal.details["reason"]) == (
+        False, worker.pk, "heartbeat", "job_not_owned"
+    )
 
 
 @pytest.mark.parametrize(
