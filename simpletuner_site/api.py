@@ -1,7 +1,8 @@
-"""API plumbing shared by every app: the error format and client address helpers."""
+"""API plumbing shared by every app: the error format (and its OpenAPI shape) and client address helpers."""
 
 from django.http import JsonResponse
-from rest_framework import exceptions, status
+from drf_spectacular.utils import OpenApiResponse
+from rest_framework import exceptions, serializers, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
@@ -15,6 +16,28 @@ _DRF_CODES = {
     status.HTTP_415_UNSUPPORTED_MEDIA_TYPE: "unsupported_media_type",
     status.HTTP_429_TOO_MANY_REQUESTS: "throttled",
 }
+
+
+_ERROR_DESCRIPTIONS = {
+    400: "Invalid request (code `invalid` with per-field `errors`, or a specific code such as `invalid_filter`)",
+    401: "Missing, unknown or revoked credentials (`not_authenticated`)",
+    403: "Authenticated but not allowed (`permission_denied`)",
+    404: "No such object (`not_found`)",
+    409: "Conflicts with the object's current state (`conflict`, `invalid_transition`, `stale_report`)",
+}
+
+
+class ErrorSerializer(serializers.Serializer):
+    """The body of every API error."""
+
+    code = serializers.CharField(help_text="Stable machine-readable error code, e.g. `not_found`.")
+    detail = serializers.CharField(help_text="Human-readable explanation.")
+    errors = serializers.DictField(required=False, help_text="Per-field messages (validation errors only).")
+
+
+def error_responses(*status_codes):
+    """Return ``@extend_schema(responses=...)`` entries documenting ``ErrorSerializer`` for each status."""
+    return {code: OpenApiResponse(ErrorSerializer, description=_ERROR_DESCRIPTIONS[code]) for code in status_codes}
 
 
 def error_body(code, detail, **extra):

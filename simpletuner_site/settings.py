@@ -84,6 +84,8 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
+    "drf_spectacular",
+    "drf_spectacular_sidecar",
     "django_eventstream",
     "audit",
     "workers",
@@ -207,6 +209,37 @@ REST_FRAMEWORK = {
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 100,
     "UNAUTHENTICATED_USER": None,
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+}
+# OpenAPI schema at /api/schema/, Swagger UI at /api/docs/; both readable by any signed-in operator
+# (session or Bearer token), like the rest of the API. The UI's JS/CSS come from the sidecar package,
+# served by whitenoise, so the docs work without internet access.
+SPECTACULAR_SETTINGS = {
+    "TITLE": "SimpleTuner orchestrator API",
+    "DESCRIPTION": (
+        "Control plane for GPU training jobs. Operators authenticate with `Authorization: Bearer sta_...` "
+        "(or a Django session); worker agents with `X-Worker-Token: wt_...`. Every error is JSON "
+        '`{"code": "...", "detail": "..."}` (plus `errors` for field validation).'
+    ),
+    "VERSION": "1.0.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SERVE_PERMISSIONS": ["rest_framework.permissions.IsAuthenticated"],
+    "SCHEMA_PATH_PREFIX": r"/api/",
+    "COMPONENT_SPLIT_REQUEST": True,
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+    "ENUM_NAME_OVERRIDES": {
+        "WorkerStatusEnum": "workers.models.WorkerStatus",
+        "WorkerTypeEnum": "workers.models.WorkerType",
+        "CreatableWorkerTypeEnum": ["ephemeral", "persistent"],
+        "JobStatusEnum": "job_queue.models.JobStatus",
+        "ReportedJobStatusEnum": ["starting", "training", "running", "completed", "failed", "cancelled"],
+    },
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "workers.api.schema.add_worker_stream_path",
+    ],
 }
 APPEND_SLASH = False
 

@@ -1,7 +1,8 @@
-"""URL routes: worker protocol, admin workers API, queue API, audit API, Django admin."""
+"""URL routes: worker protocol, admin workers API, queue API, audit API, OpenAPI schema and docs, Django admin."""
 
 from django.contrib import admin
 from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 urlpatterns = [
     path("admin/", admin.site.urls),
@@ -9,6 +10,8 @@ urlpatterns = [
     path("api/admin/workers", include("workers.api.admin_urls")),
     path("api/queue/", include("job_queue.api.urls")),
     path("api/audit/", include("audit.api.urls")),
+    path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
     path("api-auth/", include("rest_framework.urls")),
 ]
 

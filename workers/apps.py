@@ -7,5 +7,6 @@ class WorkersConfig(AppConfig):
 
     def ready(self):
         from . import events
+        from .api import schema  # noqa: F401  registers the OpenAPI authentication extensions
 
         events.install_listener_manager()

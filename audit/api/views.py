@@ -1,9 +1,11 @@
 """Read-only audit log API for users with the audit view permission."""
 
 from django.utils.dateparse import parse_datetime
+from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import permissions, serializers
 from rest_framework.generics import ListAPIView
 
+from simpletuner_site.api import error_responses
 from simpletuner_site.errors import InvalidInput
 
 from ..models import AuditEvent
@@ -26,6 +28,18 @@ class AuditEventSerializer(serializers.ModelSerializer):
         ]
 
 
+@extend_schema(
+    tags=["audit"],
+    summary="List audit events, newest first",
+    parameters=[
+        OpenApiParameter("action", str, description="Exact action, or a prefix ending in '.' (e.g. `job.`)."),
+        *(OpenApiParameter(name, str) for name in ("actor_type", "actor_id", "target_type", "target_id")),
+        OpenApiParameter("success", bool),
+        OpenApiParameter("since", str, description="ISO 8601 date-time (inclusive)."),
+        OpenApiParameter("until", str, description="ISO 8601 date-time (exclusive)."),
+    ],
+    responses={200: AuditEventSerializer(many=True), **error_responses(400, 401, 403)},
+)
 class AuditEventListView(ListAPIView):
     """Filters: action (prefix match with a trailing '.', e.g. ``job.``), actor_type, actor_id,
     target_type, target_id, success (true/false), since/until (ISO 8601)."""

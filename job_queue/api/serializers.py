@@ -69,10 +69,10 @@ class JobSerializer(serializers.ModelSerializer):
         ]
         read_only_fields = fields
 
-    def get_submitted_by(self, job):
+    def get_submitted_by(self, job) -> str | None:
         return job.submitted_by.get_username() if job.submitted_by_id and job.submitted_by else None
 
-    def get_waiting_reason(self, job):
+    def get_waiting_reason(self, job) -> str | None:
         if not self.context.get("with_reason"):
             return None
         return job_waiting_reason(job)
@@ -83,4 +83,15 @@ class JobDetailSerializer(JobSerializer):
 
     class Meta(JobSerializer.Meta):
         fields = [*JobSerializer.Meta.fields, "attempts"]
+        read_only_fields = fields
+
+
+class JobSubmittedSerializer(JobSerializer):
+    """The submit response (documentation only): the job plus ``job_id`` and whether it went out at once."""
+
+    job_id = serializers.CharField(read_only=True)
+    dispatched = serializers.BooleanField(read_only=True)
+
+    class Meta(JobSerializer.Meta):
+        fields = [*JobSerializer.Meta.fields, "job_id", "dispatched"]
         read_only_fields = fields

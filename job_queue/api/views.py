@@ -1,17 +1,18 @@
 """Queue endpoints for operators: submit, list, inspect, cancel."""
 
+from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import status
 from rest_framework.generics import ListAPIView
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from audit.services import Actor
-from simpletuner_site.api import client_ip
+from simpletuner_site.api import client_ip, error_responses
 from simpletuner_site.errors import InvalidInput, NotFound
 
 from .. import services
 from ..models import Job, JobStatus
-from .serializers import JobDetailSerializer, JobSerializer, JobSubmitSerializer
+from .serializers import JobDetailSerializer, JobSerializer, JobSubmitSerializer, JobSubmittedSerializer
 
 
 def _actor(request):
@@ -19,6 +20,12 @@ def _actor(request):
 
 
 class JobSubmitView(APIView):
+    @extend_schema(
+        tags=["queue"],
+        summary="Submit a training job",
+        request=JobSubmitSerializer,
+        responses={201: JobSubmittedSerializer, **error_responses(400, 401, 403)},
+    )
     def post(self, request):
         serializer = JobSubmitSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
@@ -29,6 +36,17 @@ class JobSubmitView(APIView):
         return Response(body, status=status.HTTP_201_CREATED)
 
 
+@extend_schema(
+    tags=["queue"],
+    summary="List jobs, newest first",
+    parameters=[
+        OpenApiParameter(
+            "status", str, description=f"Comma-separated statuses to keep ({', '.join(JobStatus.values)})."
+        ),
+        OpenApiParameter("worker", str, description="Only jobs assigned to this worker id."),
+    ],
+    responses={200: JobSerializer(many=True), **error_responses(400, 401, 403)},
+)
 class JobListView(ListAPIView):
     serializer_class = JobSerializer
 
@@ -48,6 +66,11 @@ class JobListView(ListAPIView):
 
 
 class JobDetailView(APIView):
+    @extend_schema(
+        tags=["queue"],
+        summary="Show one job with its attempts",
+        responses={200: JobDetailSerializer, **error_responses(401, 403, 404)},
+    )
     def get(self, request, job_id):
         job = Job.objects.select_related("submitted_by").prefetch_related("attempts").filter(pk=job_id).first()
         if job is None:
@@ -56,6 +79,12 @@ class JobDetailView(APIView):
 
 
 class JobCancelView(APIView):
+    @extend_schema(
+        tags=["queue"],
+        summary="Cancel a job (a running one is told to stop)",
+        request=None,
+        responses={200: JobSerializer, **error_responses(401, 403, 404, 409)},
+    )
     def post(self, request, job_id):
         job = services.job_cancel(job_id=job_id, actor=_actor(request))
         return Response(JobSerializer(job).data)

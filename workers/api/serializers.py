@@ -36,10 +36,10 @@ class WorkerSerializer(serializers.ModelSerializer):
         ]
         read_only_fields = fields
 
-    def get_draining(self, worker):
+    def get_draining(self, worker) -> bool:
         return worker.drain_requested_at is not None
 
-    def get_stream_connected(self, worker):
+    def get_stream_connected(self, worker) -> bool:
         return worker.stream_id is not None
 
 
@@ -59,7 +59,7 @@ class WorkerCreatedSerializer(WorkerSerializer):
         fields = ["worker_id", "token", *WorkerSerializer.Meta.fields]
         read_only_fields = fields
 
-    def get_token(self, worker):
+    def get_token(self, worker) -> str:
         return self.context["token"]
 
 
@@ -109,3 +109,54 @@ class JobStatusReportSerializer(serializers.Serializer):
 
 class WorkerIdSerializer(serializers.Serializer):
     worker_id = serializers.CharField(required=False, allow_null=True)
+
+
+# --- response shapes (documentation only: the views return the services' dicts) -----------------
+
+
+class ResumeJobSerializer(serializers.Serializer):
+    job_id = serializers.CharField()
+    status = serializers.CharField()
+    attempt = serializers.CharField()
+    attempt_number = serializers.IntegerField()
+
+
+class RegisterResponseSerializer(serializers.Serializer):
+    worker_id = serializers.CharField()
+    status = serializers.CharField()
+    worker_type = serializers.CharField()
+    draining = serializers.BooleanField()
+    sse_url = serializers.URLField(help_text="Open this URL (GET, same token) to receive jobs.")
+    heartbeat_interval = serializers.FloatField(help_text="Seconds between heartbeats.")
+    resume_job = ResumeJobSerializer(required=False, help_text="The reported job is still this worker's: go on.")
+    abandon_job = serializers.CharField(required=False, help_text="The reported job is no longer this worker's.")
+
+
+class HeartbeatResponseSerializer(serializers.Serializer):
+    status = serializers.CharField()
+    draining = serializers.BooleanField()
+    current_job_id = serializers.CharField(allow_null=True)
+
+
+class JobReportResponseSerializer(serializers.Serializer):
+    job_id = serializers.CharField()
+    status = serializers.CharField()
+    accepted = serializers.BooleanField()
+
+
+class QueueStateSerializer(serializers.Serializer):
+    has_jobs = serializers.BooleanField()
+
+
+class WorkerStatusSerializer(serializers.Serializer):
+    status = serializers.CharField()
+
+
+class WorkerListSerializer(serializers.Serializer):
+    workers = WorkerSerializer(many=True)
+
+
+class WorkerTokenSerializer(serializers.Serializer):
+    worker_id = serializers.CharField()
+    name = serializers.CharField()
+    token = serializers.CharField(help_text="The new token; shown only this once. The old one stops working.")

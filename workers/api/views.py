@@ -1,28 +1,42 @@
 """Worker protocol endpoints (X-Worker-Token) and the operators' worker administration endpoints."""
 
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from audit.services import Actor
 from job_queue import services as job_services
-from simpletuner_site.api import client_ip
+from simpletuner_site.api import client_ip, error_responses
 from simpletuner_site.errors import InvalidInput, NotFound
 
 from .. import services
 from ..authentication import CanManageWorkers, IsWorker, WorkerTokenAuthentication
 from ..models import Worker, WorkerStatus
 from .serializers import (
+    HeartbeatResponseSerializer,
     HeartbeatSerializer,
+    JobReportResponseSerializer,
     JobStatusReportSerializer,
+    QueueStateSerializer,
+    RegisterResponseSerializer,
     RegisterSerializer,
     WorkerCreatedSerializer,
     WorkerCreateSerializer,
     WorkerIdSerializer,
+    WorkerListSerializer,
     WorkerSerializer,
+    WorkerStatusSerializer,
+    WorkerTokenSerializer,
 )
 
 STREAM_PATH = "/api/workers/stream"
+WORKER_ID_QUERY = OpenApiParameter(
+    "worker_id", str, description="Optional; must be the token's own worker (403 otherwise)."
+)
+STATUS_FILTER = OpenApiParameter(
+    "status", str, description=f"Comma-separated statuses to keep ({', '.join(WorkerStatus.values)})."
+)
 
 
 class WorkerAPIView(APIView):
@@ -68,6 +82,12 @@ class RegisterView(WorkerAPIView):
             self.audit_refusal(request, exc)
             raise
 
+    @extend_schema(
+        tags=["workers"],
+        summary="Register (or re-register) the calling worker and learn where to stream from",
+        request=RegisterSerializer,
+        responses={200: RegisterResponseSerializer, **error_responses(400, 401, 403)},
+    )
     def post(self, request):
         try:
             data = self.validated(RegisterSerializer, request.data)
@@ -81,12 +101,24 @@ class RegisterView(WorkerAPIView):
 
 
 class HeartbeatView(WorkerAPIView):
+    @extend_schema(
+        tags=["workers"],
+        summary="Report liveness, utilisation and progress",
+        request=HeartbeatSerializer,
+        responses={200: HeartbeatResponseSerializer, **error_responses(400, 401, 403, 409)},
+    )
     def post(self, request):
         data = self.validated(HeartbeatSerializer, request.data)
         return Response(services.worker_heartbeat(worker_id=self.worker.pk, data=data, actor=self.actor))
 
 
 class JobStatusView(WorkerAPIView):
+    @extend_schema(
+        tags=["workers"],
+        summary="Report a job's status (starting, running, completed, failed, cancelled)",
+        request=JobStatusReportSerializer,
+        responses={200: JobReportResponseSerializer, **error_responses(400, 401, 403, 404, 409)},
+    )
     def post(self, request, job_id):
         data = self.validated(JobStatusReportSerializer, request.data)
         result = job_services.job_report(worker_id=self.worker.pk, job_id=job_id, data=data, actor=self.actor)
@@ -94,12 +126,24 @@ class JobStatusView(WorkerAPIView):
 
 
 class QueueView(WorkerAPIView):
+    @extend_schema(
+        tags=["workers"],
+        summary="Ask whether jobs are waiting that this worker could run",
+        parameters=[WORKER_ID_QUERY],
+        responses={200: QueueStateSerializer, **error_responses(401, 403)},
+    )
     def get(self, request):
         self.check_worker_id(request.query_params.get("worker_id"))
         return Response({"has_jobs": job_services.worker_has_jobs(worker_id=self.worker.pk)})
 
 
 class DisconnectView(WorkerAPIView):
+    @extend_schema(
+        tags=["workers"],
+        summary="Say goodbye: the worker goes offline (an ephemeral one is retired)",
+        request=WorkerIdSerializer,
+        responses={200: WorkerStatusSerializer, **error_responses(400, 401, 403)},
+    )
     def post(self, request):
         self.validated(WorkerIdSerializer, request.data)
         return Response(services.worker_disconnect(worker_id=self.worker.pk, actor=self.actor))
@@ -124,6 +168,13 @@ def get_worker_or_404(worker_id):
 
 
 class AdminWorkerListView(AdminWorkerAPIView):
+    @extend_schema(
+        tags=["admin-workers"],
+        operation_id="admin_workers_list",
+        summary="List workers",
+        parameters=[STATUS_FILTER],
+        responses={200: WorkerListSerializer, **error_responses(400, 401, 403)},
+    )
     def get(self, request):
         workers = Worker.objects.all()
         wanted = request.query_params.get("status")
@@ -135,6 +186,12 @@ class AdminWorkerListView(AdminWorkerAPIView):
             workers = workers.filter(status__in=statuses)
         return Response({"workers": WorkerSerializer(workers, many=True).data})
 
+    @extend_schema(
+        tags=["admin-workers"],
+        summary="Create a worker and its token (the token is shown only in this response)",
+        request=WorkerCreateSerializer,
+        responses={201: WorkerCreatedSerializer, **error_responses(400, 401, 403, 409)},
+    )
     def post(self, request):
         serializer = WorkerCreateSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
@@ -143,21 +200,43 @@ class AdminWorkerListView(AdminWorkerAPIView):
 
 
 class AdminWorkerDetailView(AdminWorkerAPIView):
+    @extend_schema(
+        tags=["admin-workers"],
+        summary="Show one worker",
+        responses={200: WorkerSerializer, **error_responses(401, 403, 404)},
+    )
     def get(self, request, worker_id):
         return Response(WorkerSerializer(get_worker_or_404(worker_id)).data)
 
+    @extend_schema(
+        tags=["admin-workers"],
+        summary="Delete a worker that is not online",
+        responses={204: OpenApiResponse(description="Deleted"), **error_responses(401, 403, 404, 409)},
+    )
     def delete(self, request, worker_id):
         services.worker_delete(worker_id=worker_id, actor=self.actor)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 
 class AdminWorkerDrainView(AdminWorkerAPIView):
+    @extend_schema(
+        tags=["admin-workers"],
+        summary="Drain a worker: it finishes its current job and takes no new one",
+        request=None,
+        responses={200: WorkerSerializer, **error_responses(401, 403, 404, 409)},
+    )
     def post(self, request, worker_id):
         worker = services.worker_drain(worker_id=worker_id, actor=self.actor)
         return Response(WorkerSerializer(worker).data)
 
 
 class AdminWorkerTokenView(AdminWorkerAPIView):
+    @extend_schema(
+        tags=["admin-workers"],
+        summary="Rotate a worker's token: the old one is revoked and its stream closed",
+        request=None,
+        responses={200: WorkerTokenSerializer, **error_responses(401, 403, 404, 409)},
+    )
     def post(self, request, worker_id):
         token = services.worker_rotate_token(worker_id=worker_id, actor=self.actor)
         worker = get_worker_or_404(worker_id)
