@@ -145,7 +145,7 @@ def test_a_signal_stops_at_a_step_boundary_with_a_checkpoint(tmp_path, signum, c
     stdout = "".join(output)
 
     assert returncode == code, stdout
-    assert elapsed < 2.0
+    assert elapsed < 10.0  # prompt, and a third of the 30 s step_delay it must cut short (load-tolerant)
     stopped = [text for text in output if text.startswith("stopped by signal at step ")]
     assert len(stopped) == 1, stdout
     step = int(stopped[0].split("at step ")[1].split(";")[0])

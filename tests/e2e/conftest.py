@@ -38,11 +38,7 @@ class OrchestratorPool:
             run_db = create_database(database_url)
             self.databases.append((database_url, run_db))
         server = Orchestrator(backend=backend, data_dir=data_dir, database_url=run_db, redis_url=redis_url)
-        try:
-            return server.start()
-        except BaseException:
-            server.stop()
-            raise
+        return server.start()
 
     def close(self):
         for server in self.servers.values():

@@ -185,6 +185,14 @@ class Orchestrator:
     # lifecycle
 
     def start(self):
+        """Migrate, create the admin token, start the server (and Celery); on any failure stop what started."""
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self):
         self.manage("migrate", "--noinput", "-v", "0")
         lines = self.manage("create_api_token", "admin", "--superuser", "--description", "e2e").strip().splitlines()
         if not lines or not lines[-1].startswith("sta_"):

@@ -8,7 +8,6 @@ that can cut their link or drop an event.
 """
 
 import fcntl
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from .agent_harness import (
     write_import_blocker,
 )
 from .faults import TcpProxy
+from ..services import require_postgres_url, require_redis_url
 from .harness import Fleet, Orchestrator, create_database, drop_database, poll
 
 pytestmark = pytest.mark.e2e
@@ -65,17 +65,6 @@ LONG_JOB = {"max_train_steps": 2000, "step_delay": 0.05}  # 100 s: only ever sto
 # --- fixtures -------------------------------------------------------------------------------------
 
 
-def _service(name, env_var):
-    """Return the URL in ``env_var``; skip without it (fail under CI=true), as the root conftest does."""
-    value = os.environ.get(env_var, "")
-    if value:
-        return value
-    reason = f"{name} not configured: set {env_var} to run this test"
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"{reason} (CI=true: a missing service is a failure)")
-    pytest.skip(reason)
-
-
 def _claim_redis_db(url):
     """Return (URL of a Redis database no other run of these tests uses, the open lock file holding it)."""
     parts = urlsplit(url)
@@ -100,10 +89,8 @@ class Servers:
         self.databases = []
         self.locks = []
         if backend == "postgres":
-            self.postgres_url = _service("PostgreSQL", "DATABASE_URL")
-            if not self.postgres_url.startswith(("postgres://", "postgresql://")):
-                pytest.skip("DATABASE_URL is not PostgreSQL")
-            self.redis_url = _service("Redis", "REDIS_URL")
+            self.postgres_url = require_postgres_url()
+            self.redis_url = require_redis_url()
 
     def start(self, **timers):
         env = {**TIMERS, **timers}
@@ -125,11 +112,7 @@ class Servers:
         else:
             server = Orchestrator(backend=self.backend, data_dir=data_dir, via_cli=True, extra_env=env)
         self.started.append(server)
-        try:
-            return server.start()
-        except BaseException:
-            server.stop()
-            raise
+        return server.start()
 
     def close(self):
         for server in self.started:

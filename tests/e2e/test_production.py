@@ -1,12 +1,12 @@
 """The production stack end to end: two daphne servers sharing PostgreSQL and a private Redis that is restarted."""
 
 import contextlib
-import os
 import time
 
 import pytest
 
 from .harness import Fleet, Orchestrator, WorkerHandle, create_database, drop_database, expect
+from ..services import missing_service
 from .redis_harness import RedisServer, redis_server_binary
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.postgres]
@@ -47,11 +47,7 @@ class ProductionStack:
             database_url=self.database_url,
             redis_url=self.redis.url,
         )
-        try:
-            return server.start()
-        except BaseException:
-            server.stop()
-            raise
+        return server.start()
 
     def close(self):
         for server in (self.a, self.b):
@@ -91,10 +87,7 @@ def stack(production, postgres_url, redis_url):
     the test stops it.
     """
     if not redis_server_binary():
-        reason = "redis-server is not installed: the production tests run a private one"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
+        missing_service("redis-server is not installed: the production tests run a private one")
     if production["failure"] is not None:
         pytest.fail(f"the production stack failed to start earlier:\n{production['failure']}", pytrace=False)
     if production["stack"] is None:
