@@ -30,12 +30,18 @@ PR_SET_PDEATHSIG = 1
 
 
 def parse_command(raw):
-    """Return the training command as an argv list: ``raw`` split like a shell would, or the default."""
+    """Return the training command as an argv list: ``raw`` split like a shell would, or the default.
+
+    A relative program path (``.venv/bin/python``, ``./train.sh``) means relative to where the agent
+    was started, not to the job directory the trainer runs in.
+    """
     if not raw:
         return list(DEFAULT_COMMAND)
     argv = shlex.split(raw)
     if not argv:
         raise ValueError("the training command is empty")
+    if "/" in argv[0] and not os.path.isabs(argv[0]):
+        argv[0] = os.path.abspath(argv[0])
     return argv
 
 

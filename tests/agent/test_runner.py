@@ -164,6 +164,9 @@ def test_parse_command():
     assert parse_command(None) == list(DEFAULT_COMMAND)
     assert DEFAULT_COMMAND[1:] == ("-m", "simpletuner.train")
     assert parse_command("python -m x --name 'a b'") == ["python", "-m", "x", "--name", "a b"]
+    # a relative program path is taken from where the agent started, not from the job directory
+    assert parse_command(".venv/bin/python -m t") == [os.path.abspath(".venv/bin/python"), "-m", "t"]
+    assert parse_command("/usr/bin/python3 x")[0] == "/usr/bin/python3"
     with pytest.raises(ValueError):
         parse_command("   ")
 
