@@ -32,6 +32,8 @@ class JobStatus(models.TextChoices):
 
 JOB_ACTIVE = frozenset({JobStatus.DISPATCHED, JobStatus.RUNNING})
 JOB_TERMINAL = frozenset({JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED})
+# Finished jobs an operator may retry: a retry is a new job with the same settings (a finished job never reopens).
+JOB_RETRYABLE = frozenset({JobStatus.FAILED, JobStatus.CANCELLED})
 
 # Allowed transitions: target -> statuses it may be entered from.
 JOB_TRANSITIONS = {
@@ -89,6 +91,14 @@ class Job(models.Model):
     finished_at = models.DateTimeField(null=True, blank=True)
     submitted_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    retry_of = models.ForeignKey(
+        "self",
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="retries",
+        help_text="The failed or cancelled job this one re-runs (an operator's retry).",
     )
 
     class Meta:

@@ -17,6 +17,7 @@ from workers.services import worker_resting_status, worker_transition
 
 from .models import (
     JOB_ACTIVE,
+    JOB_RETRYABLE,
     JOB_TERMINAL,
     JOB_TRANSITIONS,
     REPORTED_STATUS,
@@ -145,11 +146,14 @@ def job_submit(
     priority=0,
     max_retries=None,
     retry_on_failure=False,
+    retry_of=None,
+    dispatch=True,
 ):
-    """Queue a job and try to dispatch it at once; return ``(job, dispatched)``."""
+    """Queue a job and (unless ``dispatch`` is false) try to dispatch it at once; return ``(job, dispatched)``."""
     config = config or {}
     with transaction.atomic():
         job = Job.objects.create(
+            retry_of=retry_of,
             config_name=config_name,
             config=config,
             dataloader=dataloader,
@@ -173,8 +177,11 @@ def job_submit(
                 "gpu_count": job.gpu_count,
                 "priority": priority,
                 "max_retries": job.max_retries,
+                **({"retry_of": retry_of.pk} if retry_of else {}),
             },
         )
+    if not dispatch:
+        return job, False
     worker = dispatch_for_job(job.pk)
     job.refresh_from_db()
     return job, worker is not None
@@ -205,6 +212,47 @@ def job_cancel(*, job_id, actor):
             # The worker stays busy with it until the agent reports the process has stopped.
             events.publish_on_commit(job.worker_id, events.JOB_CANCEL, job_id=job.pk, attempt=job.lease_id)
     return job
+
+
+def job_retry(*, job_id, actor):
+    """Submit a new job with the settings of failed or cancelled job ``job_id``; return ``(job, dispatched)``.
+
+    The finished job stays as it was (its attempts and audit trail are history); the new one records
+    which job it retries. Raise NotFound, or Conflict if the job is queued, running or completed.
+    """
+    original = Job.objects.filter(pk=job_id).first()
+    if original is None:
+        raise NotFound(f"job {job_id} does not exist")
+    if original.status not in JOB_RETRYABLE:
+        raise Conflict(
+            f"job {original.pk} is {original.status}; only failed or cancelled jobs can be retried",
+            code="job_not_retryable",
+        )
+    with transaction.atomic():
+        job, _ = job_submit(
+            config_name=original.config_name,
+            config=original.config,
+            dataloader=original.dataloader,
+            target=original.target,
+            worker_labels=original.worker_labels,
+            gpu_count=original.gpu_count,
+            priority=original.priority,
+            max_retries=original.max_retries,
+            retry_on_failure=original.retry_on_failure,
+            retry_of=original,
+            actor=actor,
+            dispatch=False,
+        )
+        audit_record(
+            actor=actor,
+            action=actions.JOB_RETRIED,
+            target_type="job",
+            target_id=original.pk,
+            details={"status": original.status, "new_job": job.pk},
+        )
+    worker = dispatch_for_job(job.pk)
+    job.refresh_from_db()
+    return job, worker is not None
 
 
 # --- losing an attempt --------------------------------------------------------------------------

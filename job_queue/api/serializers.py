@@ -35,6 +35,7 @@ class JobAttemptSerializer(serializers.ModelSerializer):
 
 class JobSerializer(serializers.ModelSerializer):
     worker_id = serializers.CharField(allow_null=True, read_only=True)
+    retry_of = serializers.CharField(source="retry_of_id", allow_null=True, read_only=True)
     submitted_by = serializers.SerializerMethodField()
     waiting_reason = serializers.SerializerMethodField()
 
@@ -66,6 +67,7 @@ class JobSerializer(serializers.ModelSerializer):
             "started_at",
             "finished_at",
             "submitted_by",
+            "retry_of",
         ]
         read_only_fields = fields
 

@@ -1,4 +1,4 @@
-"""Queue endpoints for operators: submit, list, inspect, cancel."""
+"""Queue endpoints for operators: submit, list, inspect, cancel, retry."""
 
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import status
@@ -30,10 +30,14 @@ class JobSubmitView(APIView):
         serializer = JobSubmitSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         job, dispatched = services.job_submit(**serializer.validated_data, actor=_actor(request))
-        body = JobSerializer(job, context={"with_reason": True}).data
-        body["dispatched"] = dispatched
-        body["job_id"] = job.pk
-        return Response(body, status=status.HTTP_201_CREATED)
+        return _submitted(job, dispatched)
+
+
+def _submitted(job, dispatched):
+    body = JobSerializer(job, context={"with_reason": True}).data
+    body["dispatched"] = dispatched
+    body["job_id"] = job.pk
+    return Response(body, status=status.HTTP_201_CREATED)
 
 
 @extend_schema(
@@ -88,3 +92,15 @@ class JobCancelView(APIView):
     def post(self, request, job_id):
         job = services.job_cancel(job_id=job_id, actor=_actor(request))
         return Response(JobSerializer(job).data)
+
+
+class JobRetryView(APIView):
+    @extend_schema(
+        tags=["queue"],
+        summary="Retry a failed or cancelled job: a new job with the same settings (retry_of names the old one)",
+        request=None,
+        responses={201: JobSubmittedSerializer, **error_responses(401, 403, 404, 409)},
+    )
+    def post(self, request, job_id):
+        job, dispatched = services.job_retry(job_id=job_id, actor=_actor(request))
+        return _submitted(job, dispatched)

@@ -248,3 +248,68 @@ def test_cancel_an_unknown_job_is_404(user_client):
 
     assert response.status_code == 404
     assert response.json()["code"] == "not_found"
+
+
+# --- retry ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("status", [JobStatus.FAILED, JobStatus.CANCELLED])
+def test_retry_submits_a_new_job_with_the_same_settings_and_dispatches_it(user_client, commit, status):
+    original = JobFactory(
+        status=status,
+        config_name="sdxl-lora",
+        config={"lr": 0.0001},
+        dataloader=[{"id": "pics"}],
+        worker_labels={"gpu": "a100*"},
+        gpu_count=2,
+        priority=7,
+        max_retries=5,
+        retry_on_failure=True,
+        retry_count=5,
+        attempt_count=6,
+        last_error="CUDA out of memory",
+    )
+    worker = WorkerFactory(status=WorkerStatus.IDLE, stream_id="s1", gpu_count=4, labels={"gpu": "a100-80g"})
+
+    with commit():
+        response = user_client.post(f"/api/queue/{original.pk}/retry")
+
+    assert response.status_code == 201
+    body = response.json()
+    assert body["job_id"] != original.pk
+    assert (body["retry_of"], body["dispatched"], body["status"]) == (original.pk, True, "dispatched")
+    new = Job.objects.get(pk=body["job_id"])
+    settings_of = lambda j: (  # noqa: E731
+        j.config_name, j.config, j.dataloader, j.target, j.worker_labels, j.gpu_count, j.priority,
+        j.max_retries, j.retry_on_failure,
+    )  # fmt: skip
+    assert settings_of(new) == settings_of(original)
+    assert (new.retry_count, new.attempt_count, new.worker_id) == (0, 1, worker.pk)
+    # The finished job is history: unchanged, with a row saying who retried it as what.
+    assert _reload(original).status == status
+    (retried,) = audit_rows(actions.JOB_RETRIED, target_id=original.pk)
+    assert retried.details == {"status": status, "new_job": new.pk}
+    (submitted,) = audit_rows(actions.JOB_SUBMITTED, target_id=new.pk)
+    assert submitted.details["retry_of"] == original.pk
+    assert [e["data"]["job_id"] for e in sent_events(worker.pk)] == [new.pk]
+
+
+@pytest.mark.parametrize("status", [JobStatus.QUEUED, JobStatus.DISPATCHED, JobStatus.RUNNING, JobStatus.COMPLETED])
+def test_retry_of_a_job_that_did_not_fail_is_409_and_creates_nothing(user_client, status):
+    job = JobFactory(status=status)
+
+    response = user_client.post(f"/api/queue/{job.pk}/retry")
+
+    assert response.status_code == 409
+    assert response.json() == {
+        "code": "job_not_retryable",
+        "detail": f"job {job.pk} is {status}; only failed or cancelled jobs can be retried",
+    }
+    assert list(Job.objects.values_list("pk", flat=True)) == [job.pk]
+    assert audit_rows() == []
+
+
+def test_retry_of_an_unknown_job_is_404(user_client):
+    response = user_client.post("/api/queue/j_0000000000000000/retry")
+
+    assert (response.status_code, response.json()["code"]) == (404, "not_found")
