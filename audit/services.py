@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass
 
+from .events import publish_changes_on_commit
 from .models import ActorType, AuditEvent
 
 
@@ -33,18 +34,26 @@ class Actor:
 
 def audit_record(*, actor, action, target_type="", target_id="", details=None, success=True):
     """Append one audit row for ``action`` by ``actor`` on ``target_type:target_id``; return it."""
-    (event,) = audit_events(
-        actor=actor, action=action, target_type=target_type, rows=[(target_id, details)], success=success
+    (event,) = audit_write(
+        audit_events(actor=actor, action=action, target_type=target_type, rows=[(target_id, details)], success=success)
     )
-    event.save()
     return event
+
+
+def audit_write(events):
+    """Save unsaved audit rows in one query and announce their targets on the change feed at commit; return them."""
+    if not events:
+        return []
+    saved = AuditEvent.objects.bulk_create(events)
+    publish_changes_on_commit((event.target_type, event.target_id) for event in saved)
+    return saved
 
 
 def audit_events(*, actor, action, target_type, rows, success=True):
     """Return unsaved audit rows by ``actor``, one per ``(target_id, details)`` in ``rows``.
 
-    For set-based writers (sweeps): gather every row, then ``AuditEvent.objects.bulk_create(...)`` them
-    in the transaction of the change they record.
+    For set-based writers (sweeps): gather every row, then ``audit_write(...)`` them in the transaction
+    of the change they record.
     """
     return [
         AuditEvent(

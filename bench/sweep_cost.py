@@ -31,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -276,6 +277,57 @@ def populate(*, workers, history, now, seed=1):
     return {"workers": len(fleet), "jobs": len(jobs), "attempts": len(attempts), "tokens": len(tokens)}
 
 
+def build_fleet(db, *, workers, history, now):
+    """Populate the fleet, refresh the planner's statistics, and print what was built on which database."""
+    import django
+    from django.db import connection
+
+    started = time.monotonic()
+    counts = populate(workers=workers, history=history, now=now)
+    with connection.cursor() as cursor:
+        db.settle(cursor)
+        database = db.describe(cursor)
+    connection.close()
+    print(
+        f"{database}; Python {platform.python_version()}, Django {django.get_version()}; "
+        f"{os.cpu_count()} CPUs; fleet built in {time.monotonic() - started:.1f} s: "
+        + ", ".join(f"{n:,} {kind}" for kind, n in counts.items()),
+        flush=True,
+    )
+
+
+@contextmanager
+def scratch_database(prefix, *, checkpoint=False):
+    """Set Django up on a migrated throwaway database and yield its ``SQLite`` or ``Postgres``; drop it after.
+
+    PostgreSQL when DATABASE_URL names a server (a scratch database on it), else SQLite in a temporary directory.
+    """
+    server_url = os.environ.get("DATABASE_URL", "")
+    if server_url and not server_url.startswith(("postgres://", "postgresql://")):
+        sys.exit(f"DATABASE_URL must be a PostgreSQL URL (or unset for SQLite), got {server_url.split(':', 1)[0]}:")
+    data_dir = tempfile.mkdtemp(prefix=prefix)
+    os.environ["SIMPLETUNER_DATA_DIR"] = data_dir
+    os.environ["SIMPLETUNER_LOG_LEVEL"] = "WARNING"
+    os.environ["DJANGO_SETTINGS_MODULE"] = "simpletuner_site.settings"
+    db = Postgres(server_url, checkpoint=checkpoint) if server_url else SQLite(data_dir)
+    if server_url:
+        os.environ["DATABASE_URL"] = db.create()
+    try:
+        import django
+
+        django.setup()
+        from django.core.management import call_command
+
+        call_command("migrate", verbosity=0)
+        yield db
+    finally:
+        from django.db import connection
+
+        connection.close()
+        db.drop()
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
 # --- timing -------------------------------------------------------------------------------------
 
 
@@ -348,22 +400,7 @@ def main():
     )
     args = parser.parse_args()
 
-    server_url = os.environ.get("DATABASE_URL", "")
-    if server_url and not server_url.startswith(("postgres://", "postgresql://")):
-        sys.exit(f"DATABASE_URL must be a PostgreSQL URL (or unset for SQLite), got {server_url.split(':', 1)[0]}:")
-    data_dir = tempfile.mkdtemp(prefix="st-sweep-bench-")
-    os.environ["SIMPLETUNER_DATA_DIR"] = data_dir
-    os.environ["SIMPLETUNER_LOG_LEVEL"] = "WARNING"
-    os.environ["DJANGO_SETTINGS_MODULE"] = "simpletuner_site.settings"
-    db = Postgres(server_url, checkpoint=args.after_checkpoint) if server_url else SQLite(data_dir)
-    if server_url:
-        os.environ["DATABASE_URL"] = db.create()
-    try:
-        import django
-
-        django.setup()
-        from django.core.management import call_command
-        from django.db import connection
+    with scratch_database("st-sweep-bench-", checkpoint=args.after_checkpoint) as db:
         from django.utils import timezone
 
         import job_queue.services
@@ -374,20 +411,8 @@ def main():
         # What a sweep schedules on commit is another sweep's work (see the module docstring).
         job_queue.services.dispatch_pending = job_queue.sweeps.dispatch_pending = lambda **kwargs: 0
 
-        call_command("migrate", verbosity=0)
         now = timezone.now()
-        started = time.monotonic()
-        counts = populate(workers=args.workers, history=args.history, now=now)
-        with connection.cursor() as cursor:
-            db.settle(cursor)
-            database = db.describe(cursor)
-        connection.close()
-        print(
-            f"{database}; Python {platform.python_version()}, Django {django.get_version()}; "
-            f"{os.cpu_count()} CPUs; fleet built in {time.monotonic() - started:.1f} s: "
-            + ", ".join(f"{n:,} {kind}" for kind, n in counts.items()),
-            flush=True,
-        )
+        build_fleet(db, workers=args.workers, history=args.history, now=now)
         print(f"\n{'sweep':<34} {'loaded median':>13} {'p95':>7} {'queries':>7}   {'empty median':>12} {'p95':>7} {'queries':>7}   rows affected")
         for name, sweep in (
             ("workers.sweep_stale_workers", sweep_stale_workers),
@@ -405,15 +430,9 @@ def main():
             assert not any(m["queries"]["empty_result"].values()), m["queries"]["empty_result"]
         print(
             f"\n{args.runs} timed runs per sweep, each on a fresh copy of the fleet"
-            + (", right after a CHECKPOINT" if args.after_checkpoint and server_url else "")
+            + (", right after a CHECKPOINT" if args.after_checkpoint and isinstance(db, Postgres) else "")
             + "; ms = wall time of the call, commit included."
         )
-    finally:
-        from django.db import connection
-
-        connection.close()
-        db.drop()
-        shutil.rmtree(data_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -1,27 +1,326 @@
-"""Django admin for jobs (read-only here; submission and cancellation go through job_queue.services)."""
+"""The Jobs page: submit a job from a form, follow it live, cancel or retry it, read its attempts and log.
 
-from django.contrib import admin
+Every change goes through job_queue.services (the same calls as the API), so audit rows and the
+events workers receive are identical whichever way an operator acts.
+"""
 
-from .models import Job, JobAttempt
+
+from django import forms
+from django.conf import settings
+from django.contrib import admin, messages
+from django.contrib.admin.utils import quote, unquote
+from django.core.exceptions import PermissionDenied
+from django.urls import reverse
+from django.utils.html import format_html, format_html_join
+
+from simpletuner_site.admin_site import (
+    LiveChangeListMixin,
+    ObjectButtonsMixin,
+    admin_actor,
+    admin_link,
+    ago_html,
+    audit_trail_html,
+    form_page,
+    pretty_json_html,
+    run_service_on_each,
+    status_badge,
+)
+from simpletuner_site.errors import InvalidInput, ServiceError
+from workers.onboarding import parse_label_pairs
+
+from .api.serializers import JobSubmitSerializer
+from .models import JOB_RETRYABLE, JOB_TERMINAL, Job, JobAttempt, JobStatus, JobTarget
+from .selectors import job_waiting_reason
+from .services import job_cancel, job_retry, job_submit
+
+
+class JobSubmitForm(forms.Form):
+    """The API's submission, as a form; validated by the API's own serializer so both accept the same jobs."""
+
+    config_name = forms.CharField(max_length=255, help_text="A name for this training configuration.")
+    config = forms.JSONField(
+        required=False,  # "{}" is empty to a required field; blank or {} means no settings, as in the API
+        initial=dict,
+        widget=forms.Textarea(attrs={"rows": 12, "cols": 80, "class": "st-json", "spellcheck": "false"}),
+        help_text='The trainer\'s configuration as a JSON object, e.g. {"learning_rate": 0.0001, "num_processes": 1}.',
+    )
+    dataloader = forms.JSONField(
+        required=False,
+        widget=forms.Textarea(attrs={"rows": 4, "cols": 80, "class": "st-json", "spellcheck": "false"}),
+        help_text="Optional dataloader configuration: a JSON object or list.",
+    )
+    target = forms.ChoiceField(choices=JobTarget.choices, initial=JobTarget.WORKER)
+    worker_labels = forms.CharField(
+        label="Label selectors",
+        required=False,
+        widget=forms.Textarea(attrs={"rows": 3, "cols": 40, "placeholder": "gpu_type=a100*\nlocation=datacenter-a"}),
+        help_text="One KEY=GLOB per line; a worker must match all of them.",
+    )
+    gpu_count = forms.IntegerField(
+        label="GPU count",
+        required=False,
+        min_value=0,
+        help_text="GPUs the job needs; empty means the config's num_processes, else any worker.",
+    )
+    priority = forms.IntegerField(initial=0, help_text="Higher runs first; ties run first-in first-out.")
+    max_retries = forms.IntegerField(
+        required=False, min_value=0, help_text="Retries after a lost worker; empty means the orchestrator's default."
+    )
+    retry_on_failure = forms.BooleanField(required=False, help_text="Also retry when the trainer itself fails.")
+
+    def clean_config(self):
+        config = self.cleaned_data["config"]
+        if config is None:
+            return {}
+        if not isinstance(config, dict):
+            raise forms.ValidationError("config must be a JSON object ({...})")
+        return config
+
+    def clean_worker_labels(self):
+        try:
+            return parse_label_pairs(self.cleaned_data["worker_labels"].splitlines(), example="gpu_type=a100*")
+        except InvalidInput as exc:
+            raise forms.ValidationError(exc.detail) from None
+
+    def clean(self):
+        data = super().clean()
+        if self.errors:
+            return data
+        serializer = JobSubmitSerializer(data={k: v for k, v in data.items() if v is not None or k == "dataloader"})
+        if not serializer.is_valid():
+            for field, errors in serializer.errors.items():
+                self.add_error(field if field in self.fields else None, [str(e) for e in errors])
+            return data
+        return serializer.validated_data
 
 
 class JobAttemptInline(admin.TabularInline):
     model = JobAttempt
     extra = 0
     can_delete = False
-    readonly_fields = [f.name for f in JobAttempt._meta.fields]
+    fields = ["number", "worker_link", "dispatched_at", "started_at", "finished_at", "outcome", "error"]
+    readonly_fields = fields
+    verbose_name_plural = "Attempts"
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    @admin.display(description="Worker")
+    def worker_link(self, attempt):
+        return admin_link(attempt.worker, attempt.worker_name) if attempt.worker_id else attempt.worker_name
+
+
+def _progress_bar(job):
+    progress = job.progress or {}
+    fraction = progress.get("fraction")
+    if job.status == JobStatus.COMPLETED:
+        fraction = 1.0
+    if not isinstance(fraction, (int, float)):
+        return format_html('<span class="st-muted">{}</span>', "—")
+    fraction = min(max(float(fraction), 0.0), 1.0)
+    parts = [f"{fraction:.0%}"]
+    if progress.get("step") is not None and progress.get("total_steps"):
+        parts.append(f"step {progress['step']}/{progress['total_steps']}")
+    if isinstance(progress.get("loss"), (int, float)):
+        parts.append(f"loss {progress['loss']:.4g}")
+    state = {JobStatus.COMPLETED: " st-progress-done", JobStatus.FAILED: " st-progress-failed"}.get(job.status, "")
+    return format_html(
+        '<span class="st-progress{}" role="progressbar" aria-valuenow="{}" aria-valuemin="0" aria-valuemax="100">'
+        '<span style="width: {}%"></span></span><span class="st-progress-text">{}</span>',
+        state,
+        round(fraction * 100),
+        round(fraction * 100, 1),
+        " · ".join(parts),
+    )
 
 
 @admin.register(Job)
-class JobAdmin(admin.ModelAdmin):
-    list_display = ["id", "config_name", "status", "target", "priority", "worker_name", "attempt_count", "submitted_at"]
-    list_filter = ["status", "target"]
-    search_fields = ["id", "config_name", "worker_name"]
-    readonly_fields = [f.name for f in Job._meta.fields]
+class JobAdmin(ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
+    list_display = ["id", "config_name", "status_display", "progress_bar", "worker_display", "attempts", "age", "target", "priority"]
+    live_fields = ("status_display", "progress_bar", "worker_display", "attempts")
+    list_filter = ["status", "target", "submitted_at"]
+    search_fields = ["=id", "config_name", "worker_name"]
+    list_select_related = ["worker"]
+    list_per_page = 100
+    actions = ["cancel_jobs", "retry_jobs"]
+    object_buttons = ("cancel", "retry")
+    button_permission = "operate"
     inlines = [JobAttemptInline]
+    change_form_template = "admin/queue/job/change_form.html"
+    fieldsets = [
+        ("Status", {"fields": ["id", "status_display", "waiting", "progress_bar", "worker_display", "attempts", "last_error", "exit_code"]}),
+        ("Log tail", {"fields": ["log"]}),
+        ("Settings", {"fields": ["config_name", "config_display", "dataloader_display", "target", "labels", "gpu_count", "priority", "max_retries", "retry_on_failure", "retry_links"]}),
+        ("Timing", {"fields": ["submitted_at", "submitted_by", "dispatched_at", "started_at", "finished_at"]}),
+        ("Audit trail", {"fields": ["audit_trail"]}),
+    ]
+    readonly_fields = [
+        "id", "status_display", "waiting", "progress_bar", "worker_display", "attempts", "last_error", "exit_code", "log",
+        "config_name", "config_display", "dataloader_display", "target", "labels", "gpu_count", "priority",
+        "max_retries", "retry_on_failure", "retry_links", "submitted_at", "submitted_by", "dispatched_at",
+        "started_at", "finished_at", "audit_trail",
+    ]  # fmt: skip
+
+    # --- permissions: any operator may submit, cancel and retry (as in the API) ---------------------
 
     def has_add_permission(self, request):
-        return False
+        return request.user.is_active and request.user.is_staff
+
+    def has_change_permission(self, request, obj=None):
+        return False  # jobs change only through submit, cancel and retry
 
     def has_delete_permission(self, request, obj=None):
-        return False
+        return False  # jobs are history
+
+    def has_operate_permission(self, request):
+        return self.has_add_permission(request)
+
+    def get_actions(self, request):
+        actions = super().get_actions(request)
+        actions.pop("delete_selected", None)
+        return actions
+
+    # --- columns -----------------------------------------------------------------------------------
+
+    @admin.display(description="Status", ordering="status")
+    def status_display(self, job):
+        note = f"retry {job.retry_count} of {job.max_retries}" if job.retry_count and job.status not in JOB_TERMINAL else ""
+        return status_badge(job.status, job.get_status_display(), note=note)
+
+    @admin.display(description="Progress")
+    def progress_bar(self, job):
+        return _progress_bar(job)
+
+    @admin.display(description="Worker", ordering="worker_name")
+    def worker_display(self, job):
+        if job.worker_id:
+            return admin_link(job.worker, job.worker.name)
+        return job.worker_name or format_html('<span class="st-muted">{}</span>', "—")
+
+    @admin.display(description="Attempts", ordering="attempt_count")
+    def attempts(self, job):
+        retries = f" ({job.retry_count} retr{'y' if job.retry_count == 1 else 'ies'})" if job.retry_count else ""
+        return f"{job.attempt_count}{retries}"
+
+    @admin.display(description="Age", ordering="submitted_at")
+    def age(self, job):
+        return ago_html(job.submitted_at)
+
+    @admin.display(description="Why it waits")
+    def waiting(self, job):
+        return job_waiting_reason(job) or "—"
+
+    @admin.display(description="Last lines of output")
+    def log(self, job):
+        if not job.log_tail:
+            return format_html('<span class="st-muted">{}</span>', "no output yet")
+        return format_html('<pre class="st-log">{}</pre>', job.log_tail)
+
+    @admin.display(description="Config")
+    def config_display(self, job):
+        return pretty_json_html(job.config)
+
+    @admin.display(description="Dataloader")
+    def dataloader_display(self, job):
+        return pretty_json_html(job.dataloader) if job.dataloader is not None else "—"
+
+    @admin.display(description="Label selectors")
+    def labels(self, job):
+        return format_html_join(" ", '<span class="st-label">{}={}</span>', sorted(job.worker_labels.items())) or "—"
+
+    @admin.display(description="Retries")
+    def retry_links(self, job):
+        parts = []
+        if job.retry_of_id:
+            parts.append(format_html("Retry of {}", admin_link(job.retry_of, job.retry_of_id)))
+        retried_as = list(job.retries.order_by("submitted_at").values_list("pk", flat=True))
+        if retried_as:
+            links = format_html_join(", ", '<a href="{}">{}</a>', ((reverse("admin:queue_job_change", args=[quote(pk)]), pk) for pk in retried_as))
+            parts.append(format_html("Retried as {}", links))
+        return format_html_join(" · ", "{}", ((part,) for part in parts)) or "—"
+
+    @admin.display(description="Audit trail")
+    def audit_trail(self, job):
+        return audit_trail_html("job", job.pk)
+
+    # --- submit ------------------------------------------------------------------------------------
+
+    def add_view(self, request, form_url="", extra_context=None):
+        if not self.has_add_permission(request):
+            raise PermissionDenied
+        initial = {"max_retries": settings.SIMPLETUNER["JOB_MAX_RETRIES"], "config": {}}
+        form = JobSubmitForm(request.POST or None, initial=initial)
+        if request.method == "POST" and form.is_valid():
+            try:
+                job, dispatched = job_submit(**form.cleaned_data, actor=admin_actor(request))
+            except ServiceError as exc:
+                form.add_error(None, exc.detail)
+            else:
+                self._say_where(request, job, dispatched, "Submitted")
+                return self.change_page(job.pk)
+        return form_page(
+            self,
+            request,
+            form,
+            title="Submit a training job",
+            intro="Queues a training job; it is dispatched at once when a matching worker is idle. "
+            "The API takes the same fields (POST /api/queue/submit).",
+            form_id="job_submit_form",
+            submit_label="Submit job",
+        )
+
+    def _say_where(self, request, job, dispatched, verb):
+        if dispatched:
+            self.message_user(request, f"{verb} {job.pk}: dispatched to {job.worker_name}.", messages.SUCCESS)
+        else:
+            self.message_user(request, f"{verb} {job.pk}: queued; {job_waiting_reason(job)}.", messages.SUCCESS)
+
+    # --- cancel and retry ----------------------------------------------------------------------------
+
+    @admin.action(description="Cancel selected jobs (a running one is told to stop)", permissions=["operate"])
+    def cancel_jobs(self, request, queryset):
+        run_service_on_each(
+            self, request, queryset, lambda j: job_cancel(job_id=j.pk, actor=admin_actor(request)), done="Cancelled"
+        )
+
+    @admin.action(description="Retry selected failed or cancelled jobs (as new jobs)", permissions=["operate"])
+    def retry_jobs(self, request, queryset):
+        new_jobs = []
+        run_service_on_each(
+            self,
+            request,
+            queryset,
+            lambda j: new_jobs.append(job_retry(job_id=j.pk, actor=admin_actor(request))[0]),
+            done="Retried",
+        )
+        if new_jobs:
+            self.message_user(request, "New jobs: " + ", ".join(job.pk for job in new_jobs), messages.INFO)
+
+    def cancel_view(self, request, job_id):
+        try:
+            job_cancel(job_id=job_id, actor=admin_actor(request))
+        except ServiceError as exc:
+            self.message_user(request, f"Refused: {exc.detail}", messages.ERROR)
+        else:
+            self.message_user(request, f"Cancelled {job_id}.", messages.SUCCESS)
+        return self.change_page(job_id)
+
+    def retry_view(self, request, job_id):
+        try:
+            job, dispatched = job_retry(job_id=job_id, actor=admin_actor(request))
+        except ServiceError as exc:
+            self.message_user(request, f"Refused: {exc.detail}", messages.ERROR)
+            return self.change_page(job_id)
+        self._say_where(request, job, dispatched, f"Retried {job_id} as")
+        return self.change_page(job.pk)
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        job = self.get_object(request, unquote(object_id))
+        extra = {
+            "can_cancel": job is not None and job.status not in JOB_TERMINAL and self.has_operate_permission(request),
+            "can_retry": job is not None and job.status in JOB_RETRYABLE and self.has_operate_permission(request),
+        }
+        return super().change_view(request, object_id, form_url, {**extra, **(extra_context or {})})

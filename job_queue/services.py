@@ -10,6 +10,7 @@ from django.utils import timezone
 
 from audit import actions
 from audit.services import Actor, audit_record
+from simpletuner_site import metrics
 from simpletuner_site.errors import Conflict, InvalidInput, InvalidTransition, NotFound, StaleReport
 from workers import events
 from workers.models import Worker, WorkerStatus, WorkerType
@@ -292,6 +293,7 @@ def _requeue(*, job, actor, reason, spend_retry):
             "previous_worker": previous_worker,
         },
     )
+    metrics.requeued_on_commit(retry_spent=spend_retry)
     dispatch_on_commit(job_id=job.pk)
     return job
 
@@ -300,9 +302,11 @@ def _requeue_or_fail(*, job, actor, reason):
     if job.retry_count < job.max_retries:
         return _requeue(job=job, actor=actor, reason=reason, spend_retry=True)
     final = f"{reason}; retries exhausted ({job.retry_count} of {job.max_retries} used)"
-    return job_transition(
+    job_transition(
         job=job, to=JobStatus.FAILED, actor=actor, reason=final, last_error=final[:4000], finished_at=timezone.now()
     )
+    metrics.retries_exhausted_on_commit()
+    return job
 
 
 # --- worker reports -----------------------------------------------------------------------------
@@ -437,6 +441,7 @@ def _apply_report(*, job, worker, raw, target, error, data, actor):
         if job.status == JobStatus.DISPATCHED:
             job_transition(job=job, to=JobStatus.RUNNING, actor=actor, reason=raw, started_at=now, **fields)
             JobAttempt.objects.filter(lease_id=job.lease_id).update(started_at=now)
+            metrics.acknowledged_on_commit(dispatched_at=job.dispatched_at, started_at=now)
         elif fields:
             Job.objects.filter(pk=job.pk).update(**fields)
         return {"job_id": job.pk, "status": job.status, "accepted": True}
@@ -499,6 +504,7 @@ def _assign(*, job, worker, actor):
         details={"worker": worker.pk, "worker_name": worker.name, "attempt": number, "lease": lease},
     )
     events.publish_on_commit(worker.pk, events.JOB_SUBMIT, **job_submit_payload(job))
+    metrics.dispatched_on_commit(job=job, dispatched_at=now)
 
 
 def _available_workers():

@@ -8,8 +8,8 @@ from django.db import transaction
 from django.utils import timezone
 
 from audit import actions
-from audit.models import AuditEvent
-from audit.services import Actor, audit_events
+from audit.services import Actor, audit_events, audit_write
+from simpletuner_site import metrics
 from workers.models import WORKER_ONLINE, Worker, WorkerStatus
 
 from .models import AttemptOutcome, Job, JobAttempt, JobStatus
@@ -133,7 +133,8 @@ def sweep_unacknowledged_dispatches(*, now=None, actor=ACK_SWEEP):
                 if before != after
             ],
         )
-        AuditEvent.objects.bulk_create(audit)
+        audit_write(audit)
+        metrics.requeued_on_commit(len(jobs), retry_spent=False)
 
         transaction.on_commit(dispatch_pending, robust=True)
     result = {"jobs": len(jobs), "workers_freed": len(freed)}

@@ -10,7 +10,8 @@ django.setup(set_prefix=False)
 
 from django.core.handlers.asgi import ASGIHandler  # noqa: E402
 
-STREAM_PATHS = frozenset({"/api/workers/stream", "/api/workers/stream/"})
+# The worker stream and the operators' change feed (simpletuner_site.urls).
+STREAM_PATHS = frozenset({"/api/workers/stream", "/api/workers/stream/", "/admin/live/changes"})
 
 
 class StreamAwareASGIHandler(ASGIHandler):

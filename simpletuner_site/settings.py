@@ -50,6 +50,16 @@ def _env_int(name, default, minimum=0):
     return value
 
 
+def _env_choice(name, default, choices):
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value not in choices:
+        raise ImproperlyConfigured(f"{name} must be one of {', '.join(choices)}, got {raw!r}")
+    return value
+
+
 DATA_DIR = Path(os.environ.get("SIMPLETUNER_DATA_DIR") or "./var").resolve()
 DATA_DIR.mkdir(parents=True, exist_ok=True)
 
@@ -77,7 +87,7 @@ CSRF_TRUSTED_ORIGINS = [
 
 INSTALLED_APPS = [
     "daphne",
-    "django.contrib.admin",
+    "simpletuner_site.apps.OrchestratorAdminConfig",  # django.contrib.admin with the fleet overview
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",
@@ -110,7 +120,7 @@ WSGI_APPLICATION = None
 TEMPLATES = [
     {
         "BACKEND": "django.template.backends.django.DjangoTemplates",
-        "DIRS": [],
+        "DIRS": [BASE_DIR / "simpletuner_site" / "templates"],  # the admin's overrides
         "APP_DIRS": True,
         "OPTIONS": {
             "context_processors": [
@@ -193,7 +203,17 @@ SIMPLETUNER = {
     "JOB_MAX_RETRIES": _env_int("SIMPLETUNER_JOB_MAX_RETRIES", 3, minimum=0),
     # The built-in local worker that `simpletuner server` starts (see simpletuner_site.local_worker).
     "LOCAL_WORKER_NAME": _local_worker_name(),
+    # Who may read /metrics: operators (API token or session), public (no auth), off (404).
+    "METRICS": _env_choice("SIMPLETUNER_METRICS", "operators", ("operators", "public", "off")),
 }
+
+# prometheus_client's multiprocess mode (simpletuner_site.metrics): every orchestrator process on a host
+# writes its counters there, and a scrape of any one of them sums them all.
+_PROMETHEUS_MULTIPROC_DIR = os.environ.get("PROMETHEUS_MULTIPROC_DIR", "")
+if _PROMETHEUS_MULTIPROC_DIR and not os.path.isdir(_PROMETHEUS_MULTIPROC_DIR):
+    raise ImproperlyConfigured(
+        f"PROMETHEUS_MULTIPROC_DIR must be an existing directory, got {_PROMETHEUS_MULTIPROC_DIR!r}"
+    )
 
 # --- Auth and API ---------------------------------------------------------------------------
 AUTH_PASSWORD_VALIDATORS = [
@@ -249,6 +269,7 @@ USE_I18N = True
 USE_TZ = True
 
 STATIC_URL = "static/"
+STATICFILES_DIRS = [BASE_DIR / "simpletuner_site" / "static"]
 STATIC_ROOT = DATA_DIR / "static"
 STATIC_ROOT.mkdir(exist_ok=True)
 STORAGES = {

@@ -1,10 +1,16 @@
-"""URL routes: worker protocol, admin workers API, queue API, audit API, OpenAPI schema and docs, Django admin."""
+"""URL routes: worker protocol, admin workers API, queue API, audit API, OpenAPI schema and docs, metrics, Django admin."""
 
 from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from audit.live import operator_changes_stream
+
+from .metrics import MetricsView
+
 urlpatterns = [
+    # Before admin/: the admin's catch-all would otherwise answer it.
+    path("admin/live/changes", operator_changes_stream, name="admin-live-changes"),
     path("admin/", admin.site.urls),
     path("api/workers/", include("workers.api.urls")),
     path("api/admin/workers", include("workers.api.admin_urls")),
@@ -13,6 +19,7 @@ urlpatterns = [
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
     path("api-auth/", include("rest_framework.urls")),
+    path("metrics", MetricsView.as_view(), name="metrics"),
 ]
 
 handler404 = "simpletuner_site.api.not_found"

@@ -1,22 +1,303 @@
-"""Django admin for workers and tokens (read-mostly; every change goes through workers.services)."""
+"""The Workers page: the fleet with live statuses; add a worker (token shown once), drain, rotate, delete.
 
-from django.contrib import admin
+Nothing here writes a worker: every action calls the same service as the API (workers.services),
+so the audit rows and the events an agent receives are identical whichever way an operator acts.
+"""
 
-from .models import Token, Worker
+from django import forms
+from django.contrib import admin, messages
+from django.contrib.admin.utils import unquote
+from django.core.exceptions import PermissionDenied
+from django.db.models.fields.json import KeyTransform
+from django.http import Http404
+from django.shortcuts import redirect
+from django.template.response import TemplateResponse
+from django.urls import reverse
+from django.utils.html import format_html, format_html_join
+from django.utils.timezone import localtime
+
+from simpletuner_site.admin_site import (
+    LiveChangeListMixin,
+    ObjectButtonsMixin,
+    admin_actor,
+    admin_link,
+    ago_html,
+    audit_trail_html,
+    form_page,
+    pretty_json_html,
+    run_service_on_each,
+    status_badge,
+)
+from simpletuner_site.errors import InvalidInput, ServiceError
+
+from .models import Token, Worker, WorkerStatus, WorkerType
+from .onboarding import CREATABLE_TYPES, agent_command_line, parse_label_pairs
+from .services import worker_create, worker_delete, worker_delete_refusal, worker_drain, worker_rotate_token
+
+MANAGE_PERMISSION = "workers.manage_workers"
+LABEL_CHOICES_MAX = 200
+
+
+class LabelFilter(admin.SimpleListFilter):
+    """Filter by one ``key=value`` label, offered from the labels the listed workers carry."""
+
+    title = "label"
+    parameter_name = "label"
+
+    def lookups(self, request, model_admin):
+        pairs = set()
+        for labels in model_admin.get_queryset(request).order_by().values_list("labels", flat=True).distinct():
+            pairs.update(f"{key}={value}" for key, value in (labels or {}).items())
+        return [(pair, pair) for pair in sorted(pairs)[:LABEL_CHOICES_MAX]]
+
+    def queryset(self, request, queryset):
+        if not self.value():
+            return queryset
+        key, _, value = self.value().partition("=")
+        return queryset.alias(_label=KeyTransform(key, "labels")).filter(_label=value)
+
+
+class WorkerAddForm(forms.Form):
+    name = forms.CharField(max_length=128, help_text="Unique; the agent registers with it (--name).")
+    worker_type = forms.ChoiceField(
+        label="Type",
+        choices=[(t, WorkerType(t).label) for t in CREATABLE_TYPES],
+        initial=WorkerType.PERSISTENT,
+        widget=forms.RadioSelect,
+        help_text="Persistent: stays online between jobs (on-prem GPUs). Ephemeral: runs one job, then leaves (spot instances).",
+    )
+    labels = forms.CharField(
+        required=False,
+        widget=forms.Textarea(attrs={"rows": 3, "cols": 40, "placeholder": "gpu_type=a100\nlocation=datacenter-a"}),
+        help_text="One KEY=VALUE per line. Jobs choose workers by their labels.",
+    )
+
+    def clean_labels(self):
+        try:
+            return parse_label_pairs(self.cleaned_data["labels"].splitlines())
+        except InvalidInput as exc:
+            raise forms.ValidationError(exc.detail) from None
 
 
 @admin.register(Worker)
-class WorkerAdmin(admin.ModelAdmin):
-    list_display = ["name", "id", "status", "worker_type", "gpu_count", "gpu_name", "current_job", "last_heartbeat"]
-    list_filter = ["status", "worker_type"]
-    search_fields = ["name", "id", "hostname"]
-    readonly_fields = [f.name for f in Worker._meta.fields]
+class WorkerAdmin(ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
+    list_display = ["name", "status_display", "worker_type", "gpus", "labels_display", "current_job_display", "heartbeat"]
+    live_fields = ("status_display", "gpus", "current_job_display", "heartbeat")
+    list_filter = ["status", "worker_type", LabelFilter]
+    search_fields = ["name", "=id", "hostname", "gpu_name"]
+    list_select_related = ["current_job"]
+    list_per_page = 100
+    actions = ["drain_workers", "rotate_token", "delete_workers"]
+    object_buttons = ("drain", "rotate")
+    button_permission = "manage"
+    change_form_template = "admin/workers/worker/change_form.html"
+    fieldsets = [
+        (None, {"fields": ["id", "name", "status_display", "worker_type", "labels_display", "current_job_display"]}),
+        ("Machine", {"fields": ["hostname", "agent_version", "gpus", "accelerator_type", "gpu_info_display", "metrics_display"]}),
+        ("Connection", {"fields": ["heartbeat", "connected_at", "stream_opened_at", "status_changed_at", "drain_requested_at", "tokens_display"]}),
+        ("History", {"fields": ["created_at", "created_by", "recent_jobs", "audit_trail"]}),
+    ]
+    readonly_fields = [
+        "id", "name", "status_display", "worker_type", "labels_display", "current_job_display", "hostname",
+        "agent_version", "gpus", "accelerator_type", "gpu_info_display", "metrics_display", "heartbeat",
+        "connected_at", "stream_opened_at", "status_changed_at", "drain_requested_at", "tokens_display",
+        "created_at", "created_by", "recent_jobs", "audit_trail",
+    ]  # fmt: skip
+
+    # --- permissions: viewing is Django's; every change needs workers.manage_workers -------------
+
+    def has_manage_permission(self, request):
+        return request.user.has_perm(MANAGE_PERMISSION)
 
     def has_add_permission(self, request):
-        return False
+        return self.has_manage_permission(request)
+
+    def has_change_permission(self, request, obj=None):
+        return False  # fields change only through the actions below
 
     def has_delete_permission(self, request, obj=None):
-        return False
+        return self.has_manage_permission(request)
+
+    def get_actions(self, request):
+        actions = super().get_actions(request)
+        actions.pop("delete_selected", None)  # ours goes through worker_delete
+        return actions
+
+    # --- columns ---------------------------------------------------------------------------------
+
+    @admin.display(description="Status", ordering="status")
+    def status_display(self, worker):
+        note = "drain requested" if worker.is_draining and worker.status != WorkerStatus.DRAINING else ""
+        if worker.status == WorkerStatus.IDLE and not worker.has_stream:
+            note = "no open stream"
+        return status_badge(worker.status, worker.get_status_display(), note=note)
+
+    @admin.display(description="GPUs", ordering="gpu_count")
+    def gpus(self, worker):
+        if not worker.gpu_count:
+            return format_html('<span class="st-muted">{}</span>', worker.accelerator_type or "none")
+        vram = f" · {worker.gpu_vram_gb:g} GB" if worker.gpu_vram_gb else ""
+        return f"{worker.gpu_count}× {worker.gpu_name or 'GPU'}{vram}"
+
+    @admin.display(description="Labels")
+    def labels_display(self, worker):
+        if not worker.labels:
+            return format_html('<span class="st-muted">{}</span>', "none")
+        return format_html_join(
+            "", '<span class="st-label">{}={}</span>', sorted((worker.labels or {}).items())
+        )
+
+    @admin.display(description="Current job")
+    def current_job_display(self, worker):
+        if worker.current_job is None:
+            return format_html('<span class="st-muted">{}</span>', "—")
+        return admin_link(worker.current_job, worker.current_job.config_name)
+
+    @admin.display(description="Last heartbeat", ordering="last_heartbeat")
+    def heartbeat(self, worker):
+        return ago_html(worker.last_heartbeat)
+
+    @admin.display(description="GPU info")
+    def gpu_info_display(self, worker):
+        return pretty_json_html(worker.gpu_info)
+
+    @admin.display(description="Latest utilisation")
+    def metrics_display(self, worker):
+        return pretty_json_html(worker.metrics)
+
+    @admin.display(description="Tokens")
+    def tokens_display(self, worker):
+        tokens = worker.tokens.order_by("-created_at")
+        return format_html_join(
+            "",
+            "<div><code>{}…</code> {} (created {})</div>",
+            ((t.prefix, "active" if t.is_active else "revoked", f"{localtime(t.created_at):%Y-%m-%d %H:%M}") for t in tokens),
+        )
+
+    @admin.display(description="Recent jobs")
+    def recent_jobs(self, worker):
+        jobs = worker.jobs.order_by("-submitted_at")[:10]
+        if not jobs:
+            return format_html('<span class="st-muted">{}</span>', "none")
+        return format_html_join(
+            "", "<div>{} {}</div>", ((status_badge(job.status), admin_link(job, job.config_name)) for job in jobs)
+        )
+
+    @admin.display(description="Audit trail")
+    def audit_trail(self, worker):
+        return audit_trail_html("worker", worker.pk)
+
+    # --- add: the token and the agent's command line are shown once -------------------------------
+
+    def add_view(self, request, form_url="", extra_context=None):
+        if not self.has_add_permission(request):
+            raise PermissionDenied
+        form = WorkerAddForm(request.POST or None)
+        if request.method == "POST" and form.is_valid():
+            try:
+                worker, token = worker_create(**form.cleaned_data, actor=admin_actor(request))
+            except ServiceError as exc:
+                form.add_error("name" if exc.code == "name_taken" else None, exc.detail)
+            else:
+                return self._token_page(request, worker, token, "created")
+        return form_page(
+            self,
+            request,
+            form,
+            title="Add worker",
+            intro="Creates the worker and its token. The token is shown once, on the next page, "
+            "with the command that starts the agent on the GPU machine.",
+            form_id="worker_add_form",
+            submit_label="Create worker",
+        )
+
+    def _token_page(self, request, worker, token, what):
+        orchestrator_url = request.build_absolute_uri("/").rstrip("/")
+        context = {
+            **self.admin_site.each_context(request),
+            "title": f"Worker {worker.name} {what}",
+            "opts": self.opts,
+            "worker": worker,
+            "what": what,
+            "token": token,
+            "command": agent_command_line(worker=worker, token=token, orchestrator_url=orchestrator_url),
+        }
+        response = TemplateResponse(request, "admin/workers/worker/token_once.html", context)
+        response["Cache-Control"] = "no-store"  # the token must not come back from a cache or history
+        return response
+
+    # --- actions (list) and buttons (detail page) -------------------------------------------------
+
+    @admin.action(description="Drain selected workers (finish the current job, take no new one)", permissions=["manage"])
+    def drain_workers(self, request, queryset):
+        run_service_on_each(
+            self, request, queryset, lambda w: worker_drain(worker_id=w.pk, actor=admin_actor(request)), done="Draining"
+        )
+
+    @admin.action(description="Rotate the token of the selected worker (shown once)", permissions=["manage"])
+    def rotate_token(self, request, queryset):
+        workers = list(queryset[:2])
+        if len(workers) != 1:
+            self.message_user(request, "Select exactly one worker to rotate its token.", messages.WARNING)
+            return None
+        return self._rotate(request, workers[0])
+
+    @admin.action(description="Delete selected workers (offline ones only)", permissions=["manage"])
+    def delete_workers(self, request, queryset):
+        run_service_on_each(
+            self, request, queryset, lambda w: worker_delete(worker_id=w.pk, actor=admin_actor(request)), done="Deleted"
+        )
+
+    def _rotate(self, request, worker):
+        try:
+            token = worker_rotate_token(worker_id=worker.pk, actor=admin_actor(request))
+        except ServiceError as exc:
+            self.message_user(request, f"Refused: {exc.detail}", messages.ERROR)
+            return None
+        return self._token_page(request, worker, token, "has a new token")
+
+    def _worker_or_404(self, request, worker_id):
+        worker = self.get_object(request, worker_id)
+        if worker is None:
+            raise Http404(f"worker {worker_id} does not exist")
+        return worker
+
+    def drain_view(self, request, worker_id):
+        worker = self._worker_or_404(request, worker_id)
+        run_service_on_each(
+            self, request, [worker], lambda w: worker_drain(worker_id=w.pk, actor=admin_actor(request)), done="Draining"
+        )
+        return self.change_page(worker.pk)
+
+    def rotate_view(self, request, worker_id):
+        worker = self._worker_or_404(request, worker_id)
+        return self._rotate(request, worker) or self.change_page(worker.pk)
+
+    def get_deleted_objects(self, objs, request):
+        # worker_delete removes the worker's tokens with it: workers.manage_workers is the whole permission
+        # (Django would otherwise ask for workers.delete_token and refuse an operator the confirmation).
+        deleted, counts, _perms_needed, protected = super().get_deleted_objects(objs, request)
+        return deleted, counts, set(), protected
+
+    def delete_model(self, request, obj):
+        worker_delete(worker_id=obj.pk, actor=admin_actor(request))  # never a bare ORM delete
+
+    def delete_view(self, request, object_id, extra_context=None):
+        worker = self.get_object(request, unquote(object_id))
+        if worker is not None and self.has_delete_permission(request, worker):
+            refusal = worker_delete_refusal(worker)
+            if refusal:
+                self.message_user(request, f"Refused: {refusal}", messages.ERROR)
+                return self.change_page(worker.pk)
+            if request.method == "POST":
+                try:
+                    worker_delete(worker_id=worker.pk, actor=admin_actor(request))
+                except ServiceError as exc:
+                    self.message_user(request, f"Refused: {exc.detail}", messages.ERROR)
+                    return self.change_page(worker.pk)
+                self.message_user(request, f"Deleted worker {worker.name}; its jobs and audit trail are kept.", messages.SUCCESS)
+                return redirect(reverse("admin:workers_worker_changelist"))
+        return super().delete_view(request, object_id, extra_context)
 
 
 @admin.register(Token)

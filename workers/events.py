@@ -41,7 +41,7 @@ def stream_principal_id(token_id):
     return f"token:{token_id}"
 
 
-def _send(channel, event_type, data):
+def send(channel, event_type, data):
     """``send_event``; a Redis failure is logged, not raised: the event is stored and every stream catches up.
 
     The library stores the event before it publishes it, and each server's Redis event listener makes
@@ -62,14 +62,14 @@ def publish_on_commit(worker_id, event_type, **payload):
     """Send ``event_type`` with ``payload`` to ``worker_id``'s stream once the current transaction commits."""
     data = {"type": event_type, **payload}
     channel = worker_channel(worker_id)
-    transaction.on_commit(lambda: _send(channel, event_type, data), robust=True)
+    transaction.on_commit(lambda: send(channel, event_type, data), robust=True)
 
 
 def revoke_streams_on_commit(worker_id, token_ids, reason):
     """Close every open stream of ``worker_id`` that was opened with one of ``token_ids``, on commit."""
     data = {"tokens": [stream_principal_id(t) for t in token_ids], "reason": reason}
     channel = CONTROL_PREFIX + worker_channel(worker_id)
-    transaction.on_commit(lambda: _send(channel, REVOKE, data), robust=True)
+    transaction.on_commit(lambda: send(channel, REVOKE, data), robust=True)
 
 
 class StreamPrincipal:
@@ -88,16 +88,26 @@ class StreamPrincipal:
 
 
 class WorkerChannelManager(ChannelManagerBase):
-    """Streams read exactly the channels our view passes; ``?channel=`` from a client is never honoured."""
+    """Streams read exactly the channels our view passes; ``?channel=`` from a client is never honoured.
+
+    A worker stream reads its own channel; the operators' change feed (``audit.events``) is read by
+    active staff users with the audit view permission, signed in to the admin.
+    """
 
     def get_channels_for_request(self, request, view_kwargs):
         return set(view_kwargs.get("channels", ()))
 
     def can_read_channel(self, user, channel):
-        return isinstance(user, StreamPrincipal) and not user.revoked and channel in user.channels
+        if isinstance(user, StreamPrincipal):
+            return not user.revoked and channel in user.channels
+        from audit.events import CHANGES_CHANNEL, OperatorPrincipal
+
+        return channel == CHANGES_CHANNEL and isinstance(user, OperatorPrincipal)
 
     def is_channel_reliable(self, channel):
-        return not channel.startswith(CONTROL_PREFIX)
+        from audit.events import CHANGES_CHANNEL
+
+        return not channel.startswith(CONTROL_PREFIX) and channel != CHANGES_CHANNEL
 
 
 # --- Redis: the library's pub/sub, made to survive an outage -------------------------------------

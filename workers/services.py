@@ -231,6 +231,16 @@ def worker_rotate_token(*, worker_id, actor):
     return plaintext
 
 
+def worker_delete_refusal(worker):
+    """Return why ``worker`` may not be deleted now, or None if it may (offline, or never connected)."""
+    if worker.status == WorkerStatus.OFFLINE or (worker.status == WorkerStatus.CONNECTING and worker.never_connected):
+        return None
+    return (
+        f"worker {worker.name} is {worker.status}; only an offline worker can be deleted "
+        "(drain it and stop its agent first)"
+    )
+
+
 def worker_delete(*, worker_id, actor):
     """Delete an offline (or never connected) worker, keeping its jobs and audit trail.
 
@@ -238,15 +248,9 @@ def worker_delete(*, worker_id, actor):
     """
     with transaction.atomic():
         worker = _lock_worker(worker_id)
-        deletable = worker.status == WorkerStatus.OFFLINE or (
-            worker.status == WorkerStatus.CONNECTING and worker.never_connected
-        )
-        if not deletable:
-            raise Conflict(
-                f"worker {worker.name} is {worker.status}; only an offline worker can be deleted "
-                "(drain it and stop its agent first)",
-                code="worker_online",
-            )
+        refusal = worker_delete_refusal(worker)
+        if refusal:
+            raise Conflict(refusal, code="worker_online")
         token_ids = list(worker.tokens.values_list("pk", flat=True))
         audit_record(
             actor=actor,

@@ -9,9 +9,9 @@ from django.db.models import F, Min
 from django.utils import timezone
 
 from audit import actions
-from audit.models import AuditEvent
-from audit.services import Actor, audit_events
+from audit.services import Actor, audit_events, audit_write
 from job_queue.models import AttemptOutcome, Job, JobAttempt, JobStatus
+from simpletuner_site import metrics
 
 from . import events
 from .models import WORKER_TRANSITIONS, ServerPresence, Token, Worker, WorkerStatus, WorkerType
@@ -140,7 +140,10 @@ def sweep_stale_workers(*, now=None, actor=HEALTH):
                         for j in group
                     ],
                 )
-        AuditEvent.objects.bulk_create(audit)
+        audit_write(audit)
+        metrics.requeued_on_commit(len(unacked), retry_spent=False)
+        metrics.requeued_on_commit(len(retry), retry_spent=True)
+        metrics.retries_exhausted_on_commit(len(exhausted))
 
         if unacked or retry:
             from job_queue.services import dispatch_pending
@@ -180,7 +183,7 @@ def sweep_offline_ephemeral_workers(*, now=None, actor=CLEANUP):
         stream_tokens = {}
         for worker_id, token_id in Token.objects.filter(worker_id__in=with_stream).values_list("worker_id", "pk"):
             stream_tokens.setdefault(worker_id, []).append(token_id)
-        AuditEvent.objects.bulk_create(
+        audit_write(
             audit_events(
                 actor=actor,
                 action=actions.WORKER_DELETED,

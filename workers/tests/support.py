@@ -6,10 +6,14 @@ The root conftest.py loads this module as a pytest plugin, so every suite sees i
 import json
 import logging
 import os
+import re
 from contextlib import contextmanager
 
 import pytest
 from django.conf import settings
+from django.contrib.admin.utils import quote
+from django.contrib.messages import get_messages
+from django.urls import reverse
 from django_eventstream.models import Event
 from rest_framework.test import APIClient
 
@@ -20,6 +24,40 @@ from .factories import UserFactory, api_token, worker_token
 
 # Loggers on which Django reports an exception raised by a robust on_commit callback.
 ON_COMMIT_ERROR_LOGGERS = ("django.test", "django.db.backends.base")
+
+
+@pytest.fixture
+def control_messages(monkeypatch):
+    """Control messages (stream revocations) sent on commit, as ``(channel, type, data)``."""
+    from workers import events
+
+    sent = []
+
+    def capture(channel, kind, data):
+        if channel.startswith(events.CONTROL_PREFIX):
+            sent.append((channel, kind, data))
+
+    monkeypatch.setattr(events, "send_event", capture)
+    return sent
+
+
+@pytest.fixture
+def operator_changes(monkeypatch):
+    """The ``changes`` events sent on the operators' change feed on commit, as their data dicts."""
+    from audit import events as audit_events
+    from audit.events import CHANGES_CHANNEL
+    from workers import events
+
+    sent = []
+
+    def capture(channel, kind, data):
+        if channel == CHANGES_CHANNEL:
+            sent.append(data)
+
+    monkeypatch.setattr(events, "send_event", capture)
+    # Targets of earlier tests' rolled-back transactions wait in this thread for the next event; drop them.
+    audit_events._pending.targets = set()
+    return sent
 
 
 def sent_events(worker_id=None):
@@ -128,3 +166,64 @@ def operator_client(bearer_client, operator):
 def user_client(bearer_client):
     """An authenticated operator without any model permission (may use the queue API only)."""
     return bearer_client(UserFactory())
+
+
+# --- the Django admin, through the test client ----------------------------------------------------
+
+
+@pytest.fixture
+def staff_client(client):
+    """``staff_client(*permissions)``: the test client signed in to the admin as a staff user with only those."""
+
+    def _make(*permissions):
+        client.force_login(UserFactory(is_staff=True, permissions=permissions))
+        return client
+
+    return _make
+
+
+def admin_url(obj, view="change"):
+    """Return the admin URL of ``obj``'s ``view`` page (change, delete, drain, cancel...), its id escaped as the admin does."""
+    opts = obj._meta
+    return reverse(f"admin:{opts.app_label}_{opts.model_name}_{view}", args=[quote(obj.pk)])
+
+
+def admin_messages(response):
+    """Return the texts of the admin messages ``response`` set (or, after ``follow=True``, displayed)."""
+    if response.context is not None and "messages" in response.context:
+        return [str(m) for m in response.context["messages"]]
+    return [str(m) for m in get_messages(response.wsgi_request)]
+
+
+def post_action(client, changelist_url, action, objects, **extra):
+    """POST the admin list action ``action`` on ``objects``, as the list page's action bar does."""
+    return client.post(changelist_url, {"action": action, "_selected_action": [o.pk for o in objects], **extra})
+
+
+def listed(response):
+    """Return the objects a changelist response shows, in order."""
+    return list(response.context["cl"].result_list)
+
+
+def changelist_rows(response):
+    """Return ``{obj: row_html}`` for the rows a changelist response shows."""
+    rows = [
+        row.split("</tr>")[0]
+        for row in response.content.decode().split("<tr>")[1:]
+        if re.match(r'(<td class="action-checkbox">.*?</td>)?<th class="field-', row)
+    ]
+    objects = listed(response)
+    assert len(rows) == len(objects), "a changelist row was not recognised"
+    return dict(zip(objects, rows))
+
+
+def action_names(response):
+    """Return the list actions a changelist response offers."""
+    form = response.context["action_form"]
+    return set() if form is None else {name for name, _ in form.fields["action"].choices if name}
+
+
+@pytest.fixture
+def admin_user(db):
+    """pytest-django's superuser "admin" (behind ``admin_client``), without a password: hashing one costs a second."""
+    return UserFactory(username="admin", is_staff=True, is_superuser=True)

@@ -18,14 +18,6 @@ ACTOR = Actor.system("simpletuner server")
 NAME = "local@testhost"
 
 
-@pytest.fixture
-def control_messages(monkeypatch):
-    """Control messages (stream revocations) sent on commit, as ``(channel, type, data)``."""
-    sent = []
-    monkeypatch.setattr(events, "send_event", lambda channel, kind, data: sent.append((channel, kind, data)))
-    return sent
-
-
 def _active_tokens(worker):
     return list(Token.objects.filter(worker=worker, revoked_at__isnull=True))
 

@@ -161,9 +161,8 @@ def test_an_offline_worker_that_still_holds_a_job_is_kept():
     assert Worker.objects.filter(pk=worker.pk).exists()
 
 
-def test_a_stream_still_believed_open_is_closed_on_commit(commit, monkeypatch):
-    sent = []
-    monkeypatch.setattr(events, "send_event", lambda channel, kind, data: sent.append((channel, kind, data)))
+def test_a_stream_still_believed_open_is_closed_on_commit(commit, control_messages):
+    sent = control_messages
     with_stream = gone_ephemeral(stream_id="s-1")
     gone_ephemeral()  # no stream: nothing to close
     token_id = Token.objects.get(worker_id=with_stream.pk).pk

@@ -1,39 +1,14 @@
 """Create a worker and print its id, its token (shown once) and the command line that starts its agent."""
 
-import shlex
-
 from django.core.management.base import BaseCommand, CommandError
 
 from workers.models import WorkerType
+from workers.onboarding import CREATABLE_TYPES, agent_command_line, parse_label_pairs
 from workers.services import worker_create
 
 from ._workers import command_actor, service_errors
 
 DEFAULT_ORCHESTRATOR_URL = "http://127.0.0.1:8001"
-# `local` is reserved for the orchestrator's built-in worker, as in the API.
-CREATABLE_TYPES = (WorkerType.PERSISTENT, WorkerType.EPHEMERAL)
-
-
-def parse_labels(raw_labels):
-    """Return ``{key: value}`` from ``KEY=VALUE`` strings; raise CommandError on a malformed or repeated one."""
-    labels = {}
-    for raw in raw_labels or ():
-        key, sep, value = raw.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise CommandError(f"bad label {raw!r}: expected KEY=VALUE, e.g. --label gpu=a100")
-        if key in labels:
-            raise CommandError(f"label {key!r} given twice")
-        labels[key] = value.strip()
-    return labels
-
-
-def agent_command_line(*, worker, token, orchestrator_url):
-    """Return the shell line that starts ``worker``'s agent with ``token`` in its environment."""
-    argv = ["simpletuner", "worker", "--orchestrator-url", orchestrator_url, "--name", worker.name]
-    if worker.worker_type == WorkerType.PERSISTENT:
-        argv.append("--persistent")  # the agent's default is ephemeral: exit after one job
-    return f"SIMPLETUNER_WORKER_TOKEN={shlex.quote(token)} {shlex.join(argv)}"
 
 
 class Command(BaseCommand):
@@ -70,8 +45,8 @@ class Command(BaseCommand):
     def handle(self, *, name, worker_type, labels, orchestrator_url, **options):
         if worker_type not in CREATABLE_TYPES:
             raise CommandError(f"unknown worker type {worker_type!r}: expected {' or '.join(CREATABLE_TYPES)}")
-        labels = parse_labels(labels)
         with service_errors():
+            labels = parse_label_pairs(labels, example="--label gpu=a100")
             worker, token = worker_create(
                 name=name, worker_type=worker_type, labels=labels, actor=command_actor("create_worker")
             )

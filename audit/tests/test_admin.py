@@ -1,0 +1,106 @@
+"""The audit log in the Django admin: read-only for everyone, filterable, searchable by target, linked to its targets."""
+
+from datetime import datetime, timezone
+
+import pytest
+
+from audit import actions
+from audit.models import AuditEvent
+from audit.tests.factories import AuditEventFactory
+from job_queue.tests.factories import JobFactory
+from workers.tests.factories import WorkerFactory
+from workers.tests.support import action_names, admin_url, changelist_rows, listed
+
+pytestmark = pytest.mark.django_db
+
+LIST = "/admin/audit/auditevent/"
+
+
+def test_the_audit_log_is_read_only_even_for_a_superuser(admin_client):
+    row = AuditEventFactory()
+
+    listing = admin_client.get(LIST)
+    assert listing.status_code == 200 and listed(listing) == [row]
+    assert action_names(listing) == set()
+    assert admin_client.get(LIST + "add/").status_code == 403
+    assert admin_client.post(LIST + "add/", {"action": "forged"}).status_code == 403
+    page = admin_client.get(admin_url(row))
+    assert page.status_code == 200 and page.context["has_change_permission"] is False
+    assert admin_client.post(admin_url(row), {"action": "forged"}).status_code == 403
+    assert admin_client.get(admin_url(row, "delete")).status_code == 403
+    assert admin_client.post(admin_url(row, "delete"), {"post": "yes"}).status_code == 403
+    assert list(AuditEvent.objects.values_list("action", flat=True)) == [row.action]
+
+
+def test_staff_need_the_view_permission(staff_client):
+    AuditEventFactory()
+
+    assert staff_client().get(LIST).status_code == 403
+    assert staff_client("audit.view_auditevent").get(LIST).status_code == 200
+
+
+def test_the_filters_are_offered(admin_client):
+    cl = admin_client.get(LIST).context["cl"]
+
+    assert [spec.field_path for spec in cl.filter_specs] == ["action", "actor_type", "success", "created_at", "target_type"]
+
+
+@pytest.mark.parametrize(
+    ("query", "wanted"),
+    [
+        ({"action__exact": actions.WORKER_DELETED}, {"deleted"}),
+        ({"actor_type__exact": "system"}, {"sweep"}),
+        ({"success__exact": "0"}, {"refused"}),
+        ({"target_type__exact": "job"}, {"refused"}),
+        ({"created_at__gte": "2024-03-01 00:00:00+00:00", "created_at__lt": "2024-03-02 00:00:00+00:00"}, {"sweep"}),
+        ({"created_at__year": "2024", "created_at__month": "3", "created_at__day": "1"}, {"sweep"}),
+        ({"created_at__year": "2024"}, {"sweep", "deleted"}),
+    ],
+)
+def test_filters_keep_only_the_matching_rows(admin_client, query, wanted):
+    rows = {
+        "created": AuditEventFactory(action=actions.WORKER_CREATED),
+        "deleted": AuditEventFactory(action=actions.WORKER_DELETED, created_at=datetime(2024, 5, 2, tzinfo=timezone.utc)),
+        "sweep": AuditEventFactory(
+            actor_type="system", actor_name="health-sweep", action=actions.WORKER_STATUS_CHANGED,
+            created_at=datetime(2024, 3, 1, 12, tzinfo=timezone.utc),
+        ),
+        "refused": AuditEventFactory(action=actions.JOB_REPORT_REFUSED, target_type="job", target_id="j_1", success=False),
+    }  # fmt: skip
+
+    response = admin_client.get(LIST, query)
+
+    assert response.status_code == 200
+    assert {name for name, row in rows.items() if row in listed(response)} == wanted
+
+
+def test_search_by_exact_target_id(admin_client):
+    worker = WorkerFactory()
+    mine = [AuditEventFactory(target_id=worker.pk), AuditEventFactory(target_id=worker.pk, action=actions.WORKER_DELETED)]
+    AuditEventFactory(target_id=worker.pk + "0")  # an id it is a prefix of
+    AuditEventFactory(target_id="w_other", details={"note": worker.pk})
+
+    response = admin_client.get(LIST, {"q": worker.pk})
+
+    assert set(listed(response)) == set(mine)
+    assert listed(admin_client.get(LIST, {"q": worker.pk[:-1]})) == []
+
+
+def test_the_target_column_links_to_the_worker_or_job(admin_client):
+    worker = WorkerFactory(id="w_22aabbccddee")
+    job = JobFactory(id="j_40aabbccddee0011")
+    on_worker = AuditEventFactory(target_type="worker", target_id=worker.pk)
+    on_job = AuditEventFactory(target_type="job", target_id=job.pk, action=actions.JOB_SUBMITTED)
+    on_user = AuditEventFactory(target_type="user", target_id="7", action=actions.API_TOKEN_CREATED)
+
+    response = admin_client.get(LIST)
+
+    cells = {event: row.split('<td class="field-target">')[1].split("</td>")[0] for event, row in changelist_rows(response).items()}
+    assert cells == {
+        on_worker: f'<a href="{admin_url(worker)}">worker:{worker.pk}</a>',
+        on_job: f'<a href="{admin_url(job)}">job:{job.pk}</a>',
+        on_user: "user:7",
+    }
+    assert admin_client.get(admin_url(worker)).context["original"] == worker
+    assert admin_client.get(admin_url(job)).context["original"] == job
+

@@ -1,0 +1,1 @@
+"""Browser tests: Playwright driving headless Debian Chromium against a live orchestrator's admin."""

@@ -1,0 +1,40 @@
+"""What an operator needs to bring a worker up: labels typed as KEY=VALUE, and its agent's command line.
+
+Shared by ``manage.py create_worker`` and the admin's "Add worker" page.
+"""
+
+import shlex
+
+from simpletuner_site.errors import InvalidInput
+
+from .models import WorkerType
+
+# What an operator may create; `local` is the orchestrator's built-in worker, provisioned by the server.
+CREATABLE_TYPES = (WorkerType.PERSISTENT, WorkerType.EPHEMERAL)
+
+
+def parse_label_pairs(pairs, *, example="gpu=a100"):
+    """Return ``{key: value}`` from ``KEY=VALUE`` strings (blank ones skipped).
+
+    Raise InvalidInput on a malformed or repeated one.
+    """
+    labels = {}
+    for raw in pairs or ():
+        if not raw.strip():
+            continue
+        key, sep, value = raw.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise InvalidInput(f"bad label {raw.strip()!r}: expected KEY=VALUE, e.g. {example}", code="invalid_labels")
+        if key in labels:
+            raise InvalidInput(f"label {key!r} given twice", code="invalid_labels")
+        labels[key] = value.strip()
+    return labels
+
+
+def agent_command_line(*, worker, token, orchestrator_url):
+    """Return the shell line that starts ``worker``'s agent with ``token`` in its environment."""
+    argv = ["simpletuner", "worker", "--orchestrator-url", orchestrator_url, "--name", worker.name]
+    if worker.worker_type == WorkerType.PERSISTENT:
+        argv.append("--persistent")  # the agent's default is ephemeral: exit after one job
+    return f"SIMPLETUNER_WORKER_TOKEN={shlex.quote(token)} {shlex.join(argv)}"
