@@ -1,4 +1,5 @@
-"""manage.py create_worker, rotate_worker_token, list_workers, drain_worker, delete_worker: thin over the services."""
+"""manage.py create_worker, rotate_worker_token, list_workers, drain_worker, delete_worker, create_api_token:
+thin over the services."""
 
 import os
 import shlex
@@ -34,6 +35,46 @@ def run(*args):
 
 def assert_system_actor(row, command):
     assert (row.actor_type, row.actor_id, row.actor_name) == (ActorType.SYSTEM, "", f"manage.py {command}")
+
+
+# --- create_api_token ----------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_create_api_token_for_an_existing_operator_prints_a_working_token_audited_as_the_command():
+    from django.contrib.auth import get_user_model
+
+    bob = get_user_model().objects.create_user("bob", password=None, is_staff=True)
+
+    out, err = run("create_api_token", "bob", "--description", "ci")
+
+    plaintext = out.strip().splitlines()[-1]
+    token = token_authenticate(kind=TokenKind.API, plaintext=plaintext)
+    assert (token.user, token.description) == (bob, "ci")
+    assert "shown once" in err and plaintext not in err
+    (row,) = audit_rows(actions.API_TOKEN_CREATED)
+    assert_system_actor(row, "create_api_token")
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("setup", "args", "message"),
+    [
+        (None, ["ghost"], "^user 'ghost' does not exist; pass --superuser to create it as an administrator$"),
+        ("plain", ["plain", "--superuser"], "^user 'plain' exists and is not a superuser; refusing to promote it$"),
+    ],
+)
+def test_create_api_token_errors_are_one_line_and_issue_nothing(setup, args, message):
+    from django.contrib.auth import get_user_model
+
+    if setup:
+        get_user_model().objects.create_user(setup, password=None)
+
+    with pytest.raises(CommandError, match=message):
+        run("create_api_token", *args)
+
+    assert audit_rows() == []
+    assert not get_user_model().objects.filter(is_superuser=True).exists()
 
 
 # --- create_worker -------------------------------------------------------------------------------

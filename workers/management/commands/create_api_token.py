@@ -4,8 +4,9 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 from django.db import transaction
 
-from audit.services import Actor
 from workers.services import api_token_create
+
+from ._workers import command_actor
 
 
 class Command(BaseCommand):
@@ -27,6 +28,6 @@ class Command(BaseCommand):
                 self.stderr.write(f"Created superuser {username!r} (no password; set one with `manage.py changepassword {username}`)")
             elif superuser and not user.is_superuser:
                 raise CommandError(f"user {username!r} exists and is not a superuser; refusing to promote it")
-            token = api_token_create(user=user, actor=Actor.system("create_api_token"), description=description)
+            token = api_token_create(user=user, actor=command_actor("create_api_token"), description=description)
         self.stderr.write("API token (shown once; use it as: Authorization: Bearer <token>):")
         self.stdout.write(token)
