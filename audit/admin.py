@@ -21,7 +21,7 @@ class AuditEventAdmin(admin.ModelAdmin):
     search_help_text = "Search by the exact id of a worker or job (e.g. w_1a2b3c4d5e6f, j_…)."
     date_hierarchy = "created_at"
     list_per_page = 100
-    show_full_result_count = False  # no COUNT(*) over the whole trail on every page
+    show_full_result_count = False  # a filtered page does not count the whole trail a second time
     fields = ["created_at", "action", "success", "actor_type", "actor_id", "actor_name", "client_ip", "target", "details_display"]
     readonly_fields = fields
 

@@ -35,7 +35,15 @@ async def operator_changes_stream(request):
     if user_id is None:
         return error_response("permission_denied", "sign in to the admin as staff to follow changes", 403)
     request.user = OperatorPrincipal(user_id)
-    event_request = EventRequest(request, view_kwargs={"channels": [CHANGES_CHANNEL]})
+    # The feed is unstored: there is nothing to resume, so resume hints (and channel picks) are ignored.
+    request.META.pop("HTTP_LAST_EVENT_ID", None)
+    request.GET = request.GET.copy()
+    for hint in ("lastEventId", "es-meta", "channel", "channels"):
+        request.GET.pop(hint, None)
+    try:
+        event_request = EventRequest(request, view_kwargs={"channels": [CHANGES_CHANNEL]})
+    except EventRequest.Error as exc:
+        return error_response("invalid_request", str(exc), 400)
     listener = Listener()
     listener.user_id = request.user.pk
     listener.channels = event_request.channels

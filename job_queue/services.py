@@ -219,17 +219,30 @@ def job_retry(*, job_id, actor):
     """Submit a new job with the settings of failed or cancelled job ``job_id``; return ``(job, dispatched)``.
 
     The finished job stays as it was (its attempts and audit trail are history); the new one records
-    which job it retries. Raise NotFound, or Conflict if the job is queued, running or completed.
+    which job it retries. Raise NotFound, or Conflict if the job is queued, running or completed, if its
+    worker is still stopping it (a cancel not yet confirmed), or if an earlier retry of it is unfinished.
     """
-    original = Job.objects.filter(pk=job_id).first()
-    if original is None:
-        raise NotFound(f"job {job_id} does not exist")
-    if original.status not in JOB_RETRYABLE:
-        raise Conflict(
-            f"job {original.pk} is {original.status}; only failed or cancelled jobs can be retried",
-            code="job_not_retryable",
-        )
     with transaction.atomic():
+        original = lock_job(job_id)  # two retries of one job at once: the second sees the first's
+        if original is None:
+            raise NotFound(f"job {job_id} does not exist")
+        if original.status not in JOB_RETRYABLE:
+            raise Conflict(
+                f"job {original.pk} is {original.status}; only failed or cancelled jobs can be retried",
+                code="job_not_retryable",
+            )
+        stopping_on = Worker.objects.filter(current_job_id=original.pk).values_list("name", flat=True).first()
+        if stopping_on is not None:
+            raise Conflict(
+                f"job {original.pk} is still stopping on worker {stopping_on}; retry it once it has stopped",
+                code="job_still_stopping",
+            )
+        pending = original.retries.exclude(status__in=JOB_TERMINAL).values_list("pk", "status").first()
+        if pending is not None:
+            raise Conflict(
+                f"job {original.pk} was already retried as {pending[0]}, which is {pending[1]}",
+                code="job_already_retried",
+            )
         job, _ = job_submit(
             config_name=original.config_name,
             config=original.config,

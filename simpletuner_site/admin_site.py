@@ -16,7 +16,7 @@ from django.shortcuts import redirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils import timezone
-from django.utils.html import format_html, format_html_join
+from django.utils.html import conditional_escape, format_html, format_html_join
 
 from job_queue.models import Job, JobStatus
 from workers.models import WorkerStatus
@@ -77,6 +77,7 @@ class LiveChangeListMixin:
     """
 
     live_fields = ()
+    change_list_template = "admin/simpletuner/live_change_list.html"  # tells live.js where rows refresh from
 
     def get_urls(self):
         info = self.opts.app_label, self.opts.model_name
@@ -92,7 +93,8 @@ class LiveChangeListMixin:
         if self.list_select_related:  # as the list page does, or one query per row for its links
             queryset = queryset.select_related(*(() if self.list_select_related is True else self.list_select_related))
         rows = {
-            str(obj.pk): {name: str(getattr(self, name)(obj)) for name in self.live_fields}
+            # Escaped as the list page escapes them: a plain string (a GPU name an agent reported) is text, not HTML.
+            str(obj.pk): {name: str(conditional_escape(getattr(self, name)(obj))) for name in self.live_fields}
             for obj in queryset
         }
         return JsonResponse({"rows": rows, "missing": sorted(set(ids) - set(rows)), "now": timezone.now().isoformat()})
@@ -137,11 +139,26 @@ class ObjectButtonsMixin:
 # --- the site ---------------------------------------------------------------------------------------
 
 
-def fleet_overview():
-    """Return the counts the admin index shows: workers by status, jobs queued and running, recent failures."""
+def fleet_overview(user):
+    """Return what the admin index shows ``user``: workers by status, jobs queued and running, recent failures.
+
+    Each part only for a user who may view those objects (None otherwise).
+    """
     from workers.models import Worker
 
-    by_status = dict(Worker.objects.order_by().values_list("status").annotate(n=Count("pk")))
+    overview = {"workers": None, "jobs": None}
+    if user.has_perm("workers.view_worker"):
+        by_status = dict(Worker.objects.order_by().values_list("status").annotate(n=Count("pk")))
+        overview["workers"] = {
+            "by_status": [(status, label, by_status.get(status, 0)) for status, label in WorkerStatus.choices],
+            "total": sum(by_status.values()),
+        }
+    if user.has_perm("queue.view_job"):
+        overview["jobs"] = _job_overview()
+    return overview
+
+
+def _job_overview():
     job_counts = dict(
         Job.objects.order_by()
         .filter(status__in=[JobStatus.QUEUED, JobStatus.DISPATCHED, JobStatus.RUNNING])
@@ -149,10 +166,8 @@ def fleet_overview():
         .annotate(n=Count("pk"))
     )
     return {
-        "workers": [(status, label, by_status.get(status, 0)) for status, label in WorkerStatus.choices],
-        "workers_total": sum(by_status.values()),
-        "jobs_queued": job_counts.get(JobStatus.QUEUED, 0),
-        "jobs_running": job_counts.get(JobStatus.RUNNING, 0) + job_counts.get(JobStatus.DISPATCHED, 0),
+        "queued": job_counts.get(JobStatus.QUEUED, 0),
+        "running": job_counts.get(JobStatus.RUNNING, 0) + job_counts.get(JobStatus.DISPATCHED, 0),
         "recent_failures": list(
             Job.objects.filter(status=JobStatus.FAILED)
             .order_by("-finished_at")
@@ -171,7 +186,7 @@ class OrchestratorAdminSite(admin.AdminSite):
         return [overview, *super().get_urls()]
 
     def _overview_context(self, request):
-        return {"overview": fleet_overview(), "can_view_fleet": request.user.is_staff}
+        return {"overview": fleet_overview(request.user)}
 
     def index(self, request, extra_context=None):
         return super().index(request, {**self._overview_context(request), **(extra_context or {})})

@@ -36,6 +36,7 @@ from .services import worker_create, worker_delete, worker_delete_refusal, worke
 
 MANAGE_PERMISSION = "workers.manage_workers"
 LABEL_CHOICES_MAX = 200
+LABEL_VALUES_PER_KEY = 20  # so one high-cardinality key (host=...) cannot crowd the others out
 
 
 class LabelFilter(admin.SimpleListFilter):
@@ -45,10 +46,12 @@ class LabelFilter(admin.SimpleListFilter):
     parameter_name = "label"
 
     def lookups(self, request, model_admin):
-        pairs = set()
+        values = {}
         for labels in model_admin.get_queryset(request).order_by().values_list("labels", flat=True).distinct():
-            pairs.update(f"{key}={value}" for key, value in (labels or {}).items())
-        return [(pair, pair) for pair in sorted(pairs)[:LABEL_CHOICES_MAX]]
+            for key, value in (labels or {}).items():
+                values.setdefault(key, set()).add(value)
+        pairs = [f"{key}={value}" for key in sorted(values) for value in sorted(values[key])[:LABEL_VALUES_PER_KEY]]
+        return [(pair, pair) for pair in pairs[:LABEL_CHOICES_MAX]]
 
     def queryset(self, request, queryset):
         if not self.value():
@@ -137,7 +140,7 @@ class WorkerAdmin(ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
         if not worker.gpu_count:
             return format_html('<span class="st-muted">{}</span>', worker.accelerator_type or "none")
         vram = f" · {worker.gpu_vram_gb:g} GB" if worker.gpu_vram_gb else ""
-        return f"{worker.gpu_count}× {worker.gpu_name or 'GPU'}{vram}"
+        return format_html("{}× {}{}", worker.gpu_count, worker.gpu_name or "GPU", vram)  # the agent names its GPU
 
     @admin.display(description="Labels")
     def labels_display(self, worker):
@@ -312,3 +315,6 @@ class TokenAdmin(admin.ModelAdmin):
 
     def has_change_permission(self, request, obj=None):
         return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False  # rotate the worker's token instead: audited, and it closes the streams opened with it

@@ -41,7 +41,7 @@ def stream_principal_id(token_id):
     return f"token:{token_id}"
 
 
-def send(channel, event_type, data):
+def _send(channel, event_type, data):
     """``send_event``; a Redis failure is logged, not raised: the event is stored and every stream catches up.
 
     The library stores the event before it publishes it, and each server's Redis event listener makes
@@ -62,14 +62,14 @@ def publish_on_commit(worker_id, event_type, **payload):
     """Send ``event_type`` with ``payload`` to ``worker_id``'s stream once the current transaction commits."""
     data = {"type": event_type, **payload}
     channel = worker_channel(worker_id)
-    transaction.on_commit(lambda: send(channel, event_type, data), robust=True)
+    transaction.on_commit(lambda: _send(channel, event_type, data), robust=True)
 
 
 def revoke_streams_on_commit(worker_id, token_ids, reason):
     """Close every open stream of ``worker_id`` that was opened with one of ``token_ids``, on commit."""
     data = {"tokens": [stream_principal_id(t) for t in token_ids], "reason": reason}
     channel = CONTROL_PREFIX + worker_channel(worker_id)
-    transaction.on_commit(lambda: send(channel, REVOKE, data), robust=True)
+    transaction.on_commit(lambda: _send(channel, REVOKE, data), robust=True)
 
 
 class StreamPrincipal:
@@ -91,7 +91,7 @@ class WorkerChannelManager(ChannelManagerBase):
     """Streams read exactly the channels our view passes; ``?channel=`` from a client is never honoured.
 
     A worker stream reads its own channel; the operators' change feed (``audit.events``) is read by
-    active staff users with the audit view permission, signed in to the admin.
+    signed-in staff whom ``audit.live`` let in (it checks the session and the view permissions).
     """
 
     def get_channels_for_request(self, request, view_kwargs):

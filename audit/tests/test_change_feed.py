@@ -221,3 +221,70 @@ def test_the_overview_fragment_needs_a_signed_in_staff_user(client):
 
     assert response.status_code == 302 and "/admin/login/" in response["Location"]
 
+
+
+# --- review fixes: resume hints, permissions, the background publisher ------------------------------
+
+
+@live_feed
+@pytest.mark.parametrize(
+    "hints",
+    [{"HTTP_LAST_EVENT_ID": "garbage"}, {"HTTP_LAST_EVENT_ID": "worker-w_1:0"}, {"QUERY_STRING": "es-meta=x&channel=worker-w_1"}],
+    ids=["garbage-id", "worker-channel-id", "meta-and-channel"],
+)
+def test_resume_hints_and_channel_picks_are_ignored_on_the_unstored_feed(client, hints):
+    client.force_login(UserFactory(is_staff=True, permissions=["workers.view_worker"]))
+
+    response = client.get(FEED, **hints)
+
+    assert response.status_code == 200
+    assert response["Content-Type"] == "text/event-stream"
+
+
+@pytest.mark.django_db
+def test_the_overview_shows_only_what_the_user_may_view(client):
+    JobFactory(status=JobStatus.FAILED, last_error="secret CUDA trace")
+    WorkerFactory()
+    client.force_login(UserFactory(is_staff=True, permissions=["workers.view_worker"]))
+
+    body = client.get("/admin/live/overview/").content.decode()
+
+    assert "Workers" in body
+    assert "secret CUDA trace" not in body and "Recent failures" not in body
+
+
+@pytest.mark.django_db
+def test_a_staff_user_who_may_not_follow_the_feed_gets_no_live_meta(client):
+    client.force_login(UserFactory(is_staff=True))
+
+    assert 'name="simpletuner-live"' not in client.get("/admin/").content.decode()
+
+
+def test_with_redis_the_feed_is_published_in_the_background_and_merged(monkeypatch):
+    import threading
+
+    from audit import events as feed
+    from django_eventstream import eventstream
+
+    monkeypatch.setattr(eventstream, "redis_client", object())  # as when EVENTSTREAM_REDIS is configured
+    monkeypatch.setattr(feed, "_publisher", feed._BackgroundPublisher())
+    gate, entered, sent, done = threading.Event(), threading.Event(), [], threading.Event()
+
+    def slow_send(data):  # a Redis that hangs until the gate opens
+        entered.set()
+        gate.wait(10)
+        sent.append(data)
+        if sum(len(d["targets"]) for d in sent) >= 3:
+            done.set()
+
+    monkeypatch.setattr(feed, "_send_now", slow_send)
+
+    feed.publish(feed.changes_payload([("job", "j_1")]))  # returns at once: the thread is stuck on it
+    assert entered.wait(10)
+    feed.publish(feed.changes_payload([("worker", "w_1")]))
+    feed.publish(feed.changes_payload([("worker", "w_2")]))
+    gate.set()
+
+    assert done.wait(10)
+    assert sent[0]["targets"] == [{"type": "job", "id": "j_1"}]
+    assert sent[1]["targets"] == [{"type": "worker", "id": "w_1"}, {"type": "worker", "id": "w_2"}]  # merged

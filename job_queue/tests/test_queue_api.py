@@ -313,3 +313,28 @@ def test_retry_of_an_unknown_job_is_404(user_client):
     response = user_client.post("/api/queue/j_0000000000000000/retry")
 
     assert (response.status_code, response.json()["code"]) == (404, "not_found")
+
+
+def test_retry_of_a_cancelled_job_its_worker_is_still_stopping_is_409(user_client):
+    worker = WorkerFactory(name="gpu-stopping")
+    job = job_on_worker(worker)
+    Job.objects.filter(pk=job.pk).update(status=JobStatus.CANCELLED)  # cancel sent; the agent has not confirmed
+
+    response = user_client.post(f"/api/queue/{job.pk}/retry")
+
+    assert (response.status_code, response.json()["code"]) == (409, "job_still_stopping")
+    assert "still stopping on worker gpu-stopping" in response.json()["detail"]
+    assert Job.objects.count() == 1
+
+
+def test_a_second_retry_while_the_first_is_unfinished_is_409(user_client, commit):
+    original = JobFactory(status=JobStatus.FAILED)
+    with commit():
+        first = user_client.post(f"/api/queue/{original.pk}/retry").json()["job_id"]
+
+    response = user_client.post(f"/api/queue/{original.pk}/retry")
+
+    assert (response.status_code, response.json()["code"]) == (409, "job_already_retried")
+    assert response.json()["detail"] == f"job {original.pk} was already retried as {first}, which is queued"
+    Job.objects.filter(pk=first).update(status=JobStatus.FAILED)
+    assert user_client.post(f"/api/queue/{original.pk}/retry").status_code == 201  # once that one failed too

@@ -43,18 +43,11 @@ def control_messages(monkeypatch):
 
 @pytest.fixture
 def operator_changes(monkeypatch):
-    """The ``changes`` events sent on the operators' change feed on commit, as their data dicts."""
+    """The ``changes`` events published on the operators' change feed on commit, as their data dicts."""
     from audit import events as audit_events
-    from audit.events import CHANGES_CHANNEL
-    from workers import events
 
     sent = []
-
-    def capture(channel, kind, data):
-        if channel == CHANGES_CHANNEL:
-            sent.append(data)
-
-    monkeypatch.setattr(events, "send_event", capture)
+    monkeypatch.setattr(audit_events, "publish", sent.append)
     # Targets of earlier tests' rolled-back transactions wait in this thread for the next event; drop them.
     audit_events._pending.targets = set()
     return sent

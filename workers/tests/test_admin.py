@@ -452,3 +452,52 @@ def test_the_default_bulk_delete_is_not_offered(admin_client):
     assert admin_messages(response) == ["No action selected."]
     assert Worker.objects.filter(pk=worker.pk).exists()
     assert audit_rows(actions.WORKER_DELETED) == []
+
+
+# --- review fixes ----------------------------------------------------------------------------------
+
+
+MARKUP = "<img src=x onerror=alert(1)>"
+
+
+def test_live_rows_escape_what_agents_and_deleted_workers_named_as_the_list_does(admin_client):
+    worker = WorkerFactory(gpu_count=1, gpu_name=MARKUP)  # an agent reports its GPU's name at register
+    orphan = JobFactory(status=JobStatus.FAILED, worker=None, worker_name=MARKUP)  # its worker was deleted
+
+    workers = admin_client.get(LIVE, {"ids": worker.pk}).json()["rows"][worker.pk]
+    jobs = admin_client.get("/admin/queue/job/live/", {"ids": orphan.pk}).json()["rows"][orphan.pk]
+
+    for cell in (workers["gpus"], jobs["worker_display"]):
+        assert MARKUP not in cell and html.escape(MARKUP, quote=False) in cell
+    assert MARKUP not in admin_client.get(LIST).content.decode()
+
+
+def test_list_pages_name_the_url_their_rows_refresh_from_and_other_lists_do_not(admin_client):
+    assert f'<meta name="simpletuner-live-rows" content="{LIVE}">' in admin_client.get(LIST).content.decode()
+    assert "simpletuner-live-rows" not in admin_client.get("/admin/auth/user/").content.decode()
+
+
+def test_tokens_cannot_be_deleted_from_the_admin_even_by_a_superuser(admin_client):
+    worker = WorkerFactory()
+    worker_token(worker)
+    token_id = worker.tokens.get().pk
+
+    response = admin_client.post(f"/admin/workers/token/{token_id}/delete/", {"post": "yes"})
+
+    assert response.status_code == 403
+    assert worker.tokens.filter(pk=token_id).exists()
+
+
+def test_the_label_filter_offers_every_key_even_beside_a_high_cardinality_one(rf, admin_user):
+    for n in range(60):
+        WorkerFactory(labels={"host": f"h{n:04d}", "zone": "eu"})
+    request = rf.get(LIST)
+    request.user = admin_user
+    from django.contrib import admin as django_admin
+
+    model_admin = django_admin.site._registry[Worker]
+
+    choices = [value for value, _ in LabelFilter(request, {}, Worker, model_admin).lookups(request, model_admin)]
+
+    assert "zone=eu" in choices
+    assert len([c for c in choices if c.startswith("host=")]) == 20

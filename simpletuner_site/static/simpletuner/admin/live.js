@@ -3,7 +3,8 @@
  * Listens to the operators' change feed (SSE). When a `changes` event names a row shown on a list
  * page, when the feed (re)connects, and every 10 s in any case, it fetches the live cells of the shown
  * rows from `<list>/live/?ids=...` and swaps them in; blocks marked `data-live-fragment` are re-fetched
- * whole. Ages ("12 s ago") tick every second against the server's clock.
+ * whole. Ages ("12 s ago") tick every second against the server's clock. Only pages that say where
+ * their rows refresh from (meta simpletuner-live-rows) are refreshed.
  */
 (function () {
   "use strict";
@@ -13,7 +14,8 @@
   function start() {
     var meta = document.querySelector('meta[name="simpletuner-live"]');
     if (!meta || typeof EventSource === "undefined") { return; }
-    var table = document.getElementById("result_list");
+    var rowsMeta = document.querySelector('meta[name="simpletuner-live-rows"]');
+    var table = rowsMeta ? document.getElementById("result_list") : null;
     var fragments = Array.prototype.slice.call(document.querySelectorAll("[data-live-fragment]"));
     if (!table && !fragments.length) { return; }
     var indicator = document.getElementById("st-live");
@@ -70,7 +72,7 @@
     }
 
     function fetchJson(url) {
-      return fetch(url, { credentials: "same-origin", headers: { Accept: "application/json" } }).then(function (r) {
+      return fetch(url, { credentials: "same-origin", redirect: "error", headers: { Accept: "application/json" } }).then(function (r) {
         if (!r.ok) { throw new Error("HTTP " + r.status); }
         return r.json();
       });
@@ -83,11 +85,11 @@
       var work = [];
       var ids = Object.keys(rowsById());
       if (ids.length) {
-        var url = window.location.pathname.replace(/\/?$/, "/") + "live/?ids=" + encodeURIComponent(ids.join(","));
+        var url = rowsMeta.getAttribute("content") + "?ids=" + encodeURIComponent(ids.join(","));
         work.push(fetchJson(url).then(applyRows));
       }
       fragments.forEach(function (el) {
-        work.push(fetch(el.getAttribute("data-live-fragment"), { credentials: "same-origin" }).then(function (r) {
+        work.push(fetch(el.getAttribute("data-live-fragment"), { credentials: "same-origin", redirect: "error" }).then(function (r) {
           if (!r.ok) { throw new Error("HTTP " + r.status); }
           return r.text();
         }).then(function (html) { el.innerHTML = html; }));
