@@ -102,6 +102,9 @@ class JobAttemptInline(admin.TabularInline):
     readonly_fields = fields
     verbose_name_plural = "Attempts"
 
+    def get_queryset(self, request):
+        return super().get_queryset(request).select_related("worker")
+
     def has_add_permission(self, request, obj=None):
         return False
 
@@ -141,6 +144,7 @@ def _progress_bar(job):
 class JobAdmin(ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
     list_display = ["id", "config_name", "status_display", "progress_bar", "worker_display", "attempts", "age", "target", "priority"]
     live_fields = ("status_display", "progress_bar", "worker_display", "attempts")
+    live_detail_fields = ("waiting", "log")
     list_filter = ["status", "target", "submitted_at"]
     search_fields = ["=id", "config_name", "worker_name"]
     list_select_related = ["worker"]

@@ -142,6 +142,9 @@ class JobAttempt(models.Model):
         ordering = ["job", "number"]
         constraints = [models.UniqueConstraint(fields=["job", "number"], name="attempt_number_unique")]
 
+    def __str__(self):
+        return f"attempt {self.number} of {self.job_id}"
+
 
 def labels_match(patterns, labels):
     """Return True if every ``label: glob`` in ``patterns`` matches the worker's ``labels``.

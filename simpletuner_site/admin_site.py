@@ -73,10 +73,12 @@ def admin_link(obj, text=None):
 class LiveChangeListMixin:
     """For a ModelAdmin: ``live_fields`` (display-method names in ``list_display``) refresh in place.
 
-    Adds ``<changelist>/live/?ids=a,b`` answering ``{"rows": {pk: {field: html}}, "missing": [...]}``.
+    Adds ``<changelist>/live/?ids=a,b`` answering ``{"rows": {pk: {field: html}}, "missing": [...]}``;
+    with ``&detail=1`` the cells of ``live_detail_fields`` too, which the object's own page refreshes.
     """
 
     live_fields = ()
+    live_detail_fields = ()
     change_list_template = "admin/simpletuner/live_change_list.html"  # tells live.js where rows refresh from
 
     def get_urls(self):
@@ -84,17 +86,23 @@ class LiveChangeListMixin:
         live = path("live/", self.admin_site.admin_view(self.live_rows_view), name="%s_%s_live" % info)
         return [live, *super().get_urls()]
 
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        info = self.opts.app_label, self.opts.model_name
+        live = {"live_object_url": reverse("admin:%s_%s_live" % info), "live_object_id": unquote(object_id)}
+        return super().change_view(request, object_id, form_url, {**live, **(extra_context or {})})
+
     def live_rows_view(self, request):
         """Return the live cells of the rows whose primary keys ``?ids=`` lists (at most 500)."""
         if not self.has_view_or_change_permission(request):
             raise PermissionDenied
         ids = [pk for pk in request.GET.get("ids", "").split(",") if pk][:LIVE_ROWS_MAX]
+        fields = (*self.live_fields, *self.live_detail_fields) if request.GET.get("detail") else self.live_fields
         queryset = self.get_queryset(request).filter(pk__in=ids)
         if self.list_select_related:  # as the list page does, or one query per row for its links
             queryset = queryset.select_related(*(() if self.list_select_related is True else self.list_select_related))
         rows = {
             # Escaped as the list page escapes them: a plain string (a GPU name an agent reported) is text, not HTML.
-            str(obj.pk): {name: str(conditional_escape(getattr(self, name)(obj))) for name in self.live_fields}
+            str(obj.pk): {name: str(conditional_escape(getattr(self, name)(obj))) for name in fields}
             for obj in queryset
         }
         return JsonResponse({"rows": rows, "missing": sorted(set(ids) - set(rows)), "now": timezone.now().isoformat()})

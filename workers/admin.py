@@ -86,6 +86,7 @@ class WorkerAddForm(forms.Form):
 class WorkerAdmin(ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
     list_display = ["name", "status_display", "worker_type", "gpus", "labels_display", "current_job_display", "heartbeat"]
     live_fields = ("status_display", "gpus", "current_job_display", "heartbeat")
+    live_detail_fields = ("metrics_display",)
     list_filter = ["status", "worker_type", LabelFilter]
     search_fields = ["name", "=id", "hostname", "gpu_name"]
     list_select_related = ["current_job"]

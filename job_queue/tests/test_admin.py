@@ -416,3 +416,17 @@ def test_jobs_cannot_be_deleted_from_the_admin(admin_client):
     assert admin_client.post(admin_url(job, "delete"), {"post": "yes"}).status_code == 403
     post_action(admin_client, LIST, "delete_selected", [job], post="yes")
     assert Job.objects.filter(pk=job.pk).exists()
+
+
+def test_the_job_page_refreshes_its_status_progress_wait_and_log_from_the_detail_cells(admin_client):
+    job = JobFactory(log_tail="step 1\nstep 2")
+
+    page = admin_client.get(admin_url(job)).content.decode()
+    listed = admin_client.get(LIVE, {"ids": job.pk}).json()["rows"][job.pk]
+    detail = admin_client.get(LIVE, {"ids": job.pk, "detail": "1"}).json()["rows"][job.pk]
+
+    assert f'<meta name="simpletuner-live-object" content="{LIVE}" data-id="{job.pk}">' in page
+    assert set(listed) == {"status_display", "progress_bar", "worker_display", "attempts"}
+    assert set(detail) == set(listed) | {"waiting", "log"}
+    assert "step 1\nstep 2" in detail["log"]
+    assert detail["waiting"] == "no worker is registered"

@@ -84,14 +84,17 @@ def test_operator_adds_a_worker_watches_it_work_drains_and_rotates(logged_in_pag
     assert page.evaluate("window.__not_reloaded") is True
 
     # The job completes; its page shows the attempt, the trainer's output and the audit trail.
+    # ... while its page, left open, follows it to the end without a reload too.
+    form.evaluate("window.__not_reloaded = true")
     job_in(live_orchestrator, job_id, "completed", timeout=60)
     expect(row.locator(".field-status_display")).to_contain_text("Idle", timeout=LIVE_S)
-    form.reload()
-    expect(form.locator(".field-status_display")).to_contain_text("Completed")
+    expect(form.locator(".field-status_display")).to_contain_text("Completed", timeout=LIVE_S)
     expect(form.locator(".field-progress_bar")).to_contain_text("100%")
+    assert form.evaluate("window.__not_reloaded") is True
     expect(form.locator(".st-log")).to_contain_text("step")
     expect(form.locator("#attempts-group")).to_contain_text(name)
     expect(form.locator(".st-audit")).to_contain_text("job.dispatched")
+    form.reload()  # the buttons are drawn for the status the page was loaded with
     expect(form.locator("#cancel-job")).to_have_count(0)
     screenshot(form, "job-detail")
     form.close()

@@ -3,8 +3,9 @@
  * Listens to the operators' change feed (SSE). When a `changes` event names a row shown on a list
  * page, when the feed (re)connects, and every 10 s in any case, it fetches the live cells of the shown
  * rows from `<list>/live/?ids=...` and swaps them in; blocks marked `data-live-fragment` are re-fetched
- * whole. Ages ("12 s ago") tick every second against the server's clock. Only pages that say where
- * their rows refresh from (meta simpletuner-live-rows) are refreshed.
+ * whole, and an object's own page re-reads its live fields (`live/?detail=1&ids=<pk>`). Ages
+ * ("12 s ago") tick every second against the server's clock. Only pages that say where their rows
+ * refresh from (meta simpletuner-live-rows / simpletuner-live-object) are refreshed.
  */
 (function () {
   "use strict";
@@ -16,8 +17,9 @@
     if (!meta || typeof EventSource === "undefined") { return; }
     var rowsMeta = document.querySelector('meta[name="simpletuner-live-rows"]');
     var table = rowsMeta ? document.getElementById("result_list") : null;
+    var objectMeta = document.querySelector('meta[name="simpletuner-live-object"]');
     var fragments = Array.prototype.slice.call(document.querySelectorAll("[data-live-fragment]"));
-    if (!table && !fragments.length) { return; }
+    if (!table && !objectMeta && !fragments.length) { return; }
     var indicator = document.getElementById("st-live");
     var skewMs = 0;
     var pending = null;
@@ -71,6 +73,16 @@
       });
     }
 
+    function applyObject(data) {
+      if (data.now) { skewMs = Date.parse(data.now) - Date.now(); }
+      var fields = data.rows[objectMeta.getAttribute("data-id")];
+      if (!fields) { return; }
+      Object.keys(fields).forEach(function (field) {
+        var box = document.querySelector(".form-row .field-" + field + " .readonly, .form-row.field-" + field + " .readonly");
+        if (box && box.innerHTML !== fields[field]) { box.innerHTML = fields[field]; }
+      });
+    }
+
     function fetchJson(url) {
       return fetch(url, { credentials: "same-origin", redirect: "error", headers: { Accept: "application/json" } }).then(function (r) {
         if (!r.ok) { throw new Error("HTTP " + r.status); }
@@ -87,6 +99,10 @@
       if (ids.length) {
         var url = rowsMeta.getAttribute("content") + "?ids=" + encodeURIComponent(ids.join(","));
         work.push(fetchJson(url).then(applyRows));
+      }
+      if (objectMeta) {
+        var objectUrl = objectMeta.getAttribute("content") + "?detail=1&ids=" + encodeURIComponent(objectMeta.getAttribute("data-id"));
+        work.push(fetchJson(objectUrl).then(applyObject));
       }
       fragments.forEach(function (el) {
         work.push(fetch(el.getAttribute("data-live-fragment"), { credentials: "same-origin", redirect: "error" }).then(function (r) {
@@ -111,6 +127,7 @@
       try { data = JSON.parse(event.data); } catch (e) { return; }
       if (data.many || fragments.length) { schedule(); return; }
       var shown = rowsById();
+      if (objectMeta) { shown[objectMeta.getAttribute("data-id")] = true; }
       if ((data.targets || []).some(function (t) { return Object.prototype.hasOwnProperty.call(shown, t.id); })) { schedule(); }
     });
     source.addEventListener("error", function () { setLive(false); });
