@@ -18,22 +18,23 @@ FOLLOW_PERMISSIONS = ("workers.view_worker", "queue.view_job", "audit.view_audit
 
 
 @in_db_thread
-def _follower_id(request):
+def _follower(request):
+    """Return ``(user id, None)`` for a user who may follow the feed, else ``(None, error response args)``."""
     user = request.user  # the session lookup happens here, off the event loop
-    if not (user.is_authenticated and user.is_active and user.is_staff):
-        return None
-    if not any(user.has_perm(permission) for permission in FOLLOW_PERMISSIONS):
-        return None
-    return user.pk
+    if not user.is_authenticated:
+        return None, ("not_authenticated", "sign in to the admin to follow changes", 401)
+    if not (user.is_active and user.is_staff and any(user.has_perm(p) for p in FOLLOW_PERMISSIONS)):
+        return None, ("permission_denied", "only staff who may view workers, jobs or the audit log follow changes", 403)
+    return user.pk, None
 
 
 async def operator_changes_stream(request):
-    """Stream ``changes`` events naming the workers and jobs that changed (403 unless signed-in staff)."""
+    """Stream ``changes`` events naming the workers and jobs that changed (401 signed out, 403 not allowed)."""
     if request.method != "GET":
         return error_response("method_not_allowed", "use GET", 405)
-    user_id = await _follower_id(request)
-    if user_id is None:
-        return error_response("permission_denied", "sign in to the admin as staff to follow changes", 403)
+    user_id, refusal = await _follower(request)
+    if refusal:
+        return error_response(*refusal)
     request.user = OperatorPrincipal(user_id)
     # The feed is unstored: there is nothing to resume, so resume hints (and channel picks) are ignored.
     request.META.pop("HTTP_LAST_EVENT_ID", None)

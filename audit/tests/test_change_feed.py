@@ -120,8 +120,8 @@ live_feed = pytest.mark.django_db(transaction=True)
 def test_the_feed_refuses_anonymous_with_json(client):
     response = client.get(FEED)
 
-    assert response.status_code == 403
-    assert response.json() == {"code": "permission_denied", "detail": "sign in to the admin as staff to follow changes"}
+    assert response.status_code == 401
+    assert response.json() == {"code": "not_authenticated", "detail": "sign in to the admin to follow changes"}
 
 
 @live_feed
