@@ -14,6 +14,7 @@ from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 
 from simpletuner_site.admin_site import (
+    EstimatedCountPaginator,
     LiveChangeListMixin,
     ObjectButtonsMixin,
     admin_actor,
@@ -149,6 +150,8 @@ class JobAdmin(ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
     search_fields = ["=id", "config_name", "worker_name"]
     list_select_related = ["worker"]
     list_per_page = 100
+    paginator = EstimatedCountPaginator
+    show_full_result_count = False  # a filtered page does not count every job a second time
     actions = ["cancel_jobs", "retry_jobs"]
     object_buttons = ("cancel", "retry")
     button_permission = "operate"
@@ -178,6 +181,13 @@ class JobAdmin(ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
 
     def has_delete_permission(self, request, obj=None):
         return False  # jobs are history
+
+    def get_queryset(self, request):
+        jobs = super().get_queryset(request)
+        match = request.resolver_match
+        if match is not None and match.url_name in ("queue_job_changelist", "queue_job_live"):
+            jobs = jobs.defer("config", "dataloader", "log_tail")  # up to 16 KB of log a row, unused by lists
+        return jobs
 
     def has_operate_permission(self, request):
         return self.has_add_permission(request)

@@ -9,6 +9,8 @@ import json
 
 from django.contrib import admin
 from django.core.exceptions import PermissionDenied
+from django.core.paginator import Paginator
+from django.db import connections
 from django.db.models import Count
 from django.contrib.admin.utils import quote, unquote
 from django.http import JsonResponse
@@ -16,12 +18,15 @@ from django.shortcuts import redirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils import timezone
+from django.utils.functional import cached_property
 from django.utils.html import conditional_escape, format_html, format_html_join
 
 from job_queue.models import Job, JobStatus
 from workers.models import WorkerStatus
 
 LIVE_ROWS_MAX = 500
+# Above this many rows an unfiltered count on PostgreSQL is the planner's estimate (COUNT(*) reads them all).
+ESTIMATE_COUNT_ABOVE = 100_000
 RECENT_FAILURES = 5
 
 
@@ -65,6 +70,28 @@ def admin_link(obj, text=None):
     opts = obj._meta
     url = reverse(f"admin:{opts.app_label}_{opts.model_name}_change", args=[quote(obj.pk)])
     return format_html('<a href="{}">{}</a>', url, text or str(obj))
+
+
+class EstimatedCountPaginator(Paginator):
+    """Counts exactly, except an unfiltered list of a large table on PostgreSQL: ``pg_class.reltuples``.
+
+    For the tables that only grow (jobs, the audit trail), whose list would otherwise count every row
+    on every page.
+    """
+
+    @cached_property
+    def count(self):
+        queryset = self.object_list
+        connection = connections[queryset.db]
+        if connection.vendor == "postgresql" and not queryset.query.where:
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT reltuples::bigint FROM pg_class WHERE oid = %s::regclass", [queryset.model._meta.db_table]
+                )
+                row = cursor.fetchone()
+            if row and row[0] > ESTIMATE_COUNT_ABOVE:
+                return row[0]
+        return super().count
 
 
 # --- live list pages --------------------------------------------------------------------------------

@@ -430,3 +430,16 @@ def test_the_job_page_refreshes_its_status_progress_wait_and_log_from_the_detail
     assert set(detail) == set(listed) | {"waiting", "log"}
     assert "step 1\nstep 2" in detail["log"]
     assert detail["waiting"] == "no worker is registered"
+
+
+def test_the_list_and_its_live_rows_leave_configs_and_logs_unread(admin_client):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    job = JobFactory(log_tail="x" * 16_000, config={"huge": "y" * 1000})
+
+    for path, params in ((LIST, {}), (LIVE, {"ids": job.pk})):
+        with CaptureQueriesContext(connection) as captured:
+            assert admin_client.get(path, params).status_code == 200
+        job_reads = [q["sql"] for q in captured.captured_queries if 'FROM "queue_job"' in q["sql"] and "SELECT" in q["sql"]]
+        assert job_reads and not [sql for sql in job_reads if '"log_tail"' in sql or '"queue_job"."config"' in sql]
