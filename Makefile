@@ -45,6 +45,7 @@ bench: install
 	$(PY) bench/stream_cost.py --streams 2000
 	$(PY) bench/sweep_cost.py
 	$(PY) bench/metrics_cost.py
+	$(PY) bench/admin_cost.py
 
 clean:
 	rm -rf $(VENV) var .pytest_cache
