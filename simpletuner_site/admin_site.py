@@ -6,13 +6,14 @@ URL, rendered by the same display methods as the list itself.
 """
 
 import json
+from urllib.parse import urlencode
 
-from django.contrib import admin
+from django.contrib import admin, messages
+from django.contrib.admin.utils import quote, unquote
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
 from django.db import connections
 from django.db.models import Count
-from django.contrib.admin.utils import quote, unquote
 from django.http import JsonResponse
 from django.shortcuts import redirect
 from django.template.response import TemplateResponse
@@ -21,8 +22,11 @@ from django.utils import timezone
 from django.utils.functional import cached_property
 from django.utils.html import conditional_escape, format_html, format_html_join
 
+from audit.models import AuditEvent
 from job_queue.models import Job, JobStatus
-from workers.models import WorkerStatus
+from simpletuner_site.errors import ServiceError
+from simpletuner_site.humanize import ago
+from workers.models import Worker, WorkerStatus
 
 LIVE_ROWS_MAX = 500
 # Above this many rows an unfiltered count on PostgreSQL is the planner's estimate (COUNT(*) reads them all).
@@ -31,17 +35,6 @@ RECENT_FAILURES = 5
 
 
 # --- shared display helpers -------------------------------------------------------------------------
-
-
-def ago(moment, now=None):
-    """Return ``moment`` as an age an operator reads at a glance: "12 s ago", "3 min ago", "never"."""
-    if moment is None:
-        return "never"
-    seconds = max(int(((now or timezone.now()) - moment).total_seconds()), 0)
-    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= size:
-            return f"{seconds // size} {unit} ago"
-    return f"{seconds} s ago"
 
 
 def ago_html(moment):
@@ -179,8 +172,6 @@ def fleet_overview(user):
 
     Each part only for a user who may view those objects (None otherwise).
     """
-    from workers.models import Worker
-
     overview = {"workers": None, "jobs": None}
     if user.has_perm("workers.view_worker"):
         by_status = dict(Worker.objects.order_by().values_list("status").annotate(n=Count("pk")))
@@ -234,23 +225,11 @@ class OrchestratorAdminSite(admin.AdminSite):
 # --- helpers for the apps' admins ---------------------------------------------------------------------
 
 
-def admin_actor(request):
-    """Return the audit actor for an operator acting through the admin."""
-    from audit.services import Actor
-    from simpletuner_site.api import client_ip
-
-    return Actor.for_user(request.user, client_ip(request))
-
-
 def run_service_on_each(modeladmin, request, objects, call, *, done):
     """Call ``call(obj)`` for each object; report the successes as ``done`` and each refusal by its reason.
 
     Every admin action goes through the same services as the API, so the audit rows and events match.
     """
-    from django.contrib import messages
-
-    from simpletuner_site.errors import ServiceError
-
     succeeded = []
     for obj in objects:
         try:
@@ -266,8 +245,6 @@ def run_service_on_each(modeladmin, request, objects, call, *, done):
 
 def audit_trail_html(target_type, target_id, limit=50):
     """Return the newest audit rows about one worker or job as an HTML table (with a link to all of them)."""
-    from audit.models import AuditEvent
-
     rows = list(AuditEvent.objects.filter(target_type=target_type, target_id=target_id)[:limit])
     if not rows:
         return format_html('<span class="st-muted">{}</span>', "no audit rows")
@@ -285,7 +262,7 @@ def audit_trail_html(target_type, target_id, limit=50):
             for row in rows
         ),
     )
-    everything = reverse("admin:audit_auditevent_changelist") + f"?q={target_id}"
+    everything = reverse("admin:audit_auditevent_changelist") + "?" + urlencode({"q": target_id})
     return format_html(
         '<table class="st-audit"><thead><tr><th>When</th><th>Action</th><th>By</th><th>OK</th><th>Details</th>'
         '</tr></thead><tbody>{}</tbody></table><p><a href="{}">All audit rows for {}</a></p>',

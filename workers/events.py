@@ -15,6 +15,7 @@ from django_eventstream.channelmanager import ChannelManagerBase
 from django_eventstream.event import Event
 from redis.exceptions import RedisError
 
+from audit.events import CHANGES_CHANNEL, OperatorPrincipal
 from worker_agent.backoff import Backoff
 
 logger = logging.getLogger(__name__)
@@ -100,13 +101,9 @@ class WorkerChannelManager(ChannelManagerBase):
     def can_read_channel(self, user, channel):
         if isinstance(user, StreamPrincipal):
             return not user.revoked and channel in user.channels
-        from audit.events import CHANGES_CHANNEL, OperatorPrincipal
-
         return channel == CHANGES_CHANNEL and isinstance(user, OperatorPrincipal)
 
     def is_channel_reliable(self, channel):
-        from audit.events import CHANGES_CHANNEL
-
         return not channel.startswith(CONTROL_PREFIX) and channel != CHANGES_CHANNEL
 
 

@@ -6,17 +6,12 @@ from rest_framework.generics import ListAPIView
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from audit.services import Actor
-from simpletuner_site.api import client_ip, error_responses
+from simpletuner_site.api import error_responses, request_actor
 from simpletuner_site.errors import InvalidInput, NotFound
 
 from .. import services
 from ..models import Job, JobStatus
 from .serializers import JobDetailSerializer, JobSerializer, JobSubmitSerializer, JobSubmittedSerializer
-
-
-def _actor(request):
-    return Actor.for_user(request.user, client_ip(request))
 
 
 class JobSubmitView(APIView):
@@ -29,7 +24,7 @@ class JobSubmitView(APIView):
     def post(self, request):
         serializer = JobSubmitSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        job, dispatched = services.job_submit(**serializer.validated_data, actor=_actor(request))
+        job, dispatched = services.job_submit(**serializer.validated_data, actor=request_actor(request))
         return _submitted(job, dispatched)
 
 
@@ -90,7 +85,7 @@ class JobCancelView(APIView):
         responses={200: JobSerializer, **error_responses(401, 403, 404, 409)},
     )
     def post(self, request, job_id):
-        job = services.job_cancel(job_id=job_id, actor=_actor(request))
+        job = services.job_cancel(job_id=job_id, actor=request_actor(request))
         return Response(JobSerializer(job).data)
 
 
@@ -102,5 +97,5 @@ class JobRetryView(APIView):
         responses={201: JobSubmittedSerializer, **error_responses(401, 403, 404, 409)},
     )
     def post(self, request, job_id):
-        job, dispatched = services.job_retry(job_id=job_id, actor=_actor(request))
+        job, dispatched = services.job_retry(job_id=job_id, actor=request_actor(request))
         return _submitted(job, dispatched)

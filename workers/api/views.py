@@ -7,7 +7,7 @@ from rest_framework.views import APIView
 
 from audit.services import Actor
 from job_queue import services as job_services
-from simpletuner_site.api import client_ip, error_responses
+from simpletuner_site.api import client_ip, error_responses, request_actor
 from simpletuner_site.errors import InvalidInput, NotFound
 
 from .. import services
@@ -157,7 +157,7 @@ class AdminWorkerAPIView(APIView):
 
     @property
     def actor(self):
-        return Actor.for_user(self.request.user, client_ip(self.request))
+        return request_actor(self.request)
 
 
 def get_worker_or_404(worker_id):

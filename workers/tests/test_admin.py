@@ -11,7 +11,7 @@ from django.utils import timezone
 from audit import actions
 from job_queue.models import Job, JobStatus
 from job_queue.tests.factories import JobFactory, job_on_worker
-from simpletuner_site import admin_site
+from simpletuner_site import admin_site, humanize
 from workers.admin import LabelFilter
 from workers.models import TokenKind, Worker, WorkerStatus, WorkerType
 from workers.services import token_authenticate
@@ -58,7 +58,9 @@ def authenticates(token):
 
 def test_the_list_shows_status_gpus_labels_current_job_and_heartbeat_age(admin_client, monkeypatch):
     now = timezone.now()
-    monkeypatch.setattr(admin_site, "timezone", SimpleNamespace(now=lambda: now, localtime=timezone.localtime))
+    frozen = SimpleNamespace(now=lambda: now, localtime=timezone.localtime)
+    monkeypatch.setattr(admin_site, "timezone", frozen)
+    monkeypatch.setattr(humanize, "timezone", frozen)
     busy = WorkerFactory(
         name="alpha", gpu_count=2, gpu_name="A100", gpu_vram_gb=80, labels={"gpu": "a100", "zone": "eu"},
         last_heartbeat=now - timedelta(seconds=12),

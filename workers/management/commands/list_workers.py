@@ -3,6 +3,7 @@
 from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
+from simpletuner_site.humanize import ago
 from workers.models import Worker, WorkerStatus
 
 COLUMNS = ("ID", "NAME", "TYPE", "STATUS", "GPUS", "LABELS", "JOB", "HEARTBEAT")
@@ -16,20 +17,6 @@ def parse_statuses(raw):
         named = ", ".join(unknown) or repr(raw)
         raise CommandError(f"unknown status {named}: expected one or more of {', '.join(WorkerStatus.values)}")
     return statuses
-
-
-def ago(moment, now):
-    """Return how long before ``now`` ``moment`` was, e.g. ``12 s ago``, ``5 min ago``, ``3 h ago``; or ``never``."""
-    if moment is None:
-        return "never"
-    seconds = max(0, int((now - moment).total_seconds()))
-    if seconds < 120:
-        return f"{seconds} s ago"
-    if seconds < 120 * 60:
-        return f"{seconds // 60} min ago"
-    if seconds < 48 * 3600:
-        return f"{seconds // 3600} h ago"
-    return f"{seconds // 86400} d ago"
 
 
 def gpus(worker):

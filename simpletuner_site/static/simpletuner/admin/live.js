@@ -40,12 +40,11 @@
       return rows;
     }
 
-    function formatAgo(seconds) {
-      var units = [["d", 86400], ["h", 3600], ["min", 60]];
-      for (var i = 0; i < units.length; i++) {
-        if (seconds >= units[i][1]) { return Math.floor(seconds / units[i][1]) + " " + units[i][0] + " ago"; }
-      }
-      return seconds + " s ago";
+    function formatAgo(seconds) {  // as simpletuner_site/humanize.py's ago()
+      if (seconds < 120) { return seconds + " s ago"; }
+      if (seconds < 120 * 60) { return Math.floor(seconds / 60) + " min ago"; }
+      if (seconds < 48 * 3600) { return Math.floor(seconds / 3600) + " h ago"; }
+      return Math.floor(seconds / 86400) + " d ago";
     }
 
     function tick() {
