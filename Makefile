@@ -6,7 +6,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8001
 PYTEST_ARGS ?=
 
-.PHONY: install run token test bench demo agent-wheel clean
+.PHONY: install run token test lint bench demo agent-wheel clean
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ token: install
 ## The whole test suite (PostgreSQL/Redis tests run when DATABASE_URL/REDIS_URL are set)
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+## The layering contract (.importlinter): each layer imports only the layers below it
+lint: install
+	$(VENV)/bin/lint-imports
 
 ## A whole fleet on this machine: orchestrator + 2 labelled agents + the built-in local worker, 5 jobs to completion
 demo: install

@@ -9,7 +9,7 @@ from django.contrib.admin.utils import quote
 from django.urls import NoReverseMatch, reverse
 from django.utils.html import format_html
 
-from simpletuner_site.admin_site import EstimatedCountPaginator, pretty_json_html
+from common.admin_kit import EstimatedCountPaginator, pretty_json_html
 
 from . import actions
 from .models import AuditEvent

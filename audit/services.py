@@ -2,7 +2,9 @@
 
 from dataclasses import dataclass
 
-from .events import publish_changes_on_commit
+from common.remote import client_ip
+
+from .events import announce_changes_on_commit
 from .models import ActorType, AuditEvent
 
 
@@ -22,6 +24,11 @@ class Actor:
     @classmethod
     def for_worker(cls, worker, ip=None):
         return cls(ActorType.WORKER, worker.pk, worker.name, ip)
+
+    @classmethod
+    def for_request(cls, request):
+        """The signed-in operator making ``request`` (API or admin), with their address."""
+        return cls.for_user(request.user, client_ip(request))
 
     @classmethod
     def system(cls, name="system"):
@@ -45,7 +52,7 @@ def audit_write(events):
     if not events:
         return []
     saved = AuditEvent.objects.bulk_create(events)
-    publish_changes_on_commit((event.target_type, event.target_id) for event in saved)
+    announce_changes_on_commit((event.target_type, event.target_id) for event in saved)
     return saved
 
 

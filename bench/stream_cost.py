@@ -24,6 +24,8 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from worker_agent import protocol  # noqa: E402 - importable once ROOT is on the path
+
 
 def free_port():
     with socket.socket() as s:
@@ -59,16 +61,16 @@ async def open_stream(port, token, opened):
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(
         (
-            "GET /api/workers/stream HTTP/1.1\r\n"
-            f"Host: 127.0.0.1:{port}\r\nX-Worker-Token: {token}\r\nAccept: text/event-stream\r\n\r\n"
+            f"GET {protocol.STREAM_PATH} HTTP/1.1\r\n"
+            f"Host: 127.0.0.1:{port}\r\n{protocol.WORKER_TOKEN_HEADER}: {token}\r\nAccept: text/event-stream\r\n\r\n"
         ).encode()
     )
     await writer.drain()
     buffered = b""
-    while b"stream-open" not in buffered:
+    while protocol.STREAM_OPEN.encode() not in buffered:
         chunk = await reader.read(65536)
         if not chunk:
-            raise RuntimeError("stream closed before stream-open: " + buffered[:200].decode(errors="replace"))
+            raise RuntimeError(f"stream closed before {protocol.STREAM_OPEN}: " + buffered[:200].decode(errors="replace"))
         buffered += chunk
     if b" 200 " not in buffered.split(b"\r\n", 1)[0]:
         raise RuntimeError(buffered.split(b"\r\n", 1)[0].decode())

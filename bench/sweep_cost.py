@@ -405,8 +405,8 @@ def main():
 
         import job_queue.services
         import job_queue.sweeps
-        from job_queue.sweeps import sweep_unacknowledged_dispatches
-        from workers.sweeps import sweep_offline_ephemeral_workers, sweep_stale_workers
+        from job_queue.sweeps import sweep_stale_workers, sweep_unacknowledged_dispatches
+        from workers.sweeps import sweep_offline_ephemeral_workers
 
         # What a sweep schedules on commit is another sweep's work (see the module docstring).
         job_queue.services.dispatch_pending = job_queue.sweeps.dispatch_pending = lambda **kwargs: 0
@@ -415,7 +415,7 @@ def main():
         build_fleet(db, workers=args.workers, history=args.history, now=now)
         print(f"\n{'sweep':<34} {'loaded median':>13} {'p95':>7} {'queries':>7}   {'empty median':>12} {'p95':>7} {'queries':>7}   rows affected")
         for name, sweep in (
-            ("workers.sweep_stale_workers", sweep_stale_workers),
+            ("queue.sweep_stale_workers", sweep_stale_workers),
             ("queue.sweep_unacknowledged_dispatches", sweep_unacknowledged_dispatches),
             ("workers.sweep_offline_ephemeral_workers", sweep_offline_ephemeral_workers),
         ):

@@ -13,20 +13,20 @@ from django.core.exceptions import PermissionDenied
 from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 
-from simpletuner_site.admin_site import (
+from audit.html import audit_trail_html
+from audit.services import Actor
+from common.admin_kit import (
     EstimatedCountPaginator,
     LiveChangeListMixin,
     ObjectButtonsMixin,
     admin_link,
     ago_html,
-    audit_trail_html,
     form_page,
     pretty_json_html,
     run_service_on_each,
     status_badge,
 )
-from simpletuner_site.api import request_actor
-from simpletuner_site.errors import InvalidInput, ServiceError
+from common.errors import InvalidInput, ServiceError
 from workers.onboarding import parse_label_pairs
 
 from .api.serializers import JobSubmitSerializer
@@ -269,7 +269,7 @@ class JobAdmin(ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
         form = JobSubmitForm(request.POST or None, initial=initial)
         if request.method == "POST" and form.is_valid():
             try:
-                job, dispatched = job_submit(**form.cleaned_data, actor=request_actor(request))
+                job, dispatched = job_submit(**form.cleaned_data, actor=Actor.for_request(request))
             except ServiceError as exc:
                 form.add_error(None, exc.detail)
             else:
@@ -297,7 +297,7 @@ class JobAdmin(ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
     @admin.action(description="Cancel selected jobs (a running one is told to stop)", permissions=["operate"])
     def cancel_jobs(self, request, queryset):
         run_service_on_each(
-            self, request, queryset, lambda j: job_cancel(job_id=j.pk, actor=request_actor(request)), done="Cancelled"
+            self, request, queryset, lambda j: job_cancel(job_id=j.pk, actor=Actor.for_request(request)), done="Cancelled"
         )
 
     @admin.action(description="Retry selected failed or cancelled jobs (as new jobs)", permissions=["operate"])
@@ -307,7 +307,7 @@ class JobAdmin(ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
             self,
             request,
             queryset,
-            lambda j: new_jobs.append(job_retry(job_id=j.pk, actor=request_actor(request))[0]),
+            lambda j: new_jobs.append(job_retry(job_id=j.pk, actor=Actor.for_request(request))[0]),
             done="Retried",
         )
         if new_jobs:
@@ -315,7 +315,7 @@ class JobAdmin(ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
 
     def cancel_view(self, request, job_id):
         try:
-            job_cancel(job_id=job_id, actor=request_actor(request))
+            job_cancel(job_id=job_id, actor=Actor.for_request(request))
         except ServiceError as exc:
             self.message_user(request, f"Refused: {exc.detail}", messages.ERROR)
         else:
@@ -324,7 +324,7 @@ class JobAdmin(ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
 
     def retry_view(self, request, job_id):
         try:
-            job, dispatched = job_retry(job_id=job_id, actor=request_actor(request))
+            job, dispatched = job_retry(job_id=job_id, actor=Actor.for_request(request))
         except ServiceError as exc:
             self.message_user(request, f"Refused: {exc.detail}", messages.ERROR)
             return self.change_page(job_id)

@@ -6,6 +6,9 @@ import secrets
 from django.conf import settings
 from django.db import models
 
+from worker_agent import protocol
+from workers.models import WorkerType
+
 
 def new_job_id():
     return "j_" + secrets.token_hex(8)
@@ -41,20 +44,34 @@ JOB_TRANSITIONS = {
     JobStatus.RUNNING: frozenset({JobStatus.DISPATCHED}),
     # Back to the queue: the attempt was lost (worker gone, dispatch never acknowledged).
     JobStatus.QUEUED: frozenset({JobStatus.DISPATCHED, JobStatus.RUNNING}),
-    JobStatus.COMPLETED: frozenset({JobStatus.DISPATCHED, JobStatus.RUNNING}),
+    # From queued only when a lost attempt's completion arrives late, before a new dispatch (jobs_recover_completion).
+    JobStatus.COMPLETED: frozenset({JobStatus.QUEUED, JobStatus.DISPATCHED, JobStatus.RUNNING}),
     JobStatus.FAILED: frozenset({JobStatus.QUEUED, JobStatus.DISPATCHED, JobStatus.RUNNING}),
     JobStatus.CANCELLED: frozenset({JobStatus.QUEUED, JobStatus.DISPATCHED, JobStatus.RUNNING}),
 }
 
-# What a worker may report on /api/workers/job/{id}/status, and what it means for the job.
+# What each status a worker may report (``worker_agent.protocol.REPORTED_STATUSES``) means for the job.
 REPORTED_STATUS = {
-    "starting": JobStatus.RUNNING,
-    "training": JobStatus.RUNNING,
-    "running": JobStatus.RUNNING,
-    "completed": JobStatus.COMPLETED,
-    "failed": JobStatus.FAILED,
-    "cancelled": JobStatus.CANCELLED,
+    protocol.STARTING: JobStatus.RUNNING,
+    protocol.TRAINING: JobStatus.RUNNING,
+    protocol.RUNNING: JobStatus.RUNNING,
+    protocol.COMPLETED: JobStatus.COMPLETED,
+    protocol.FAILED: JobStatus.FAILED,
+    protocol.CANCELLED: JobStatus.CANCELLED,
 }
+assert set(REPORTED_STATUS) == set(protocol.REPORTED_STATUSES)
+
+# Which worker types may run a job of each target. `auto` prefers remote workers (ordered first).
+TARGET_WORKER_TYPES = {
+    JobTarget.WORKER: (WorkerType.EPHEMERAL, WorkerType.PERSISTENT),
+    JobTarget.LOCAL: (WorkerType.LOCAL,),
+    JobTarget.AUTO: (WorkerType.EPHEMERAL, WorkerType.PERSISTENT, WorkerType.LOCAL),
+}
+
+
+def targets_for_worker_type(worker_type):
+    """Return the job targets a worker of ``worker_type`` may run."""
+    return [target for target, types in TARGET_WORKER_TYPES.items() if worker_type in types]
 
 
 class Job(models.Model):

@@ -1,4 +1,4 @@
-"""Reads about jobs that need more than a filter: why a queued job is still waiting."""
+"""Reads about jobs that need more than a filter: why a queued job waits, whether work waits for a worker."""
 
 from collections import Counter
 
@@ -6,7 +6,7 @@ from django.db.models import Max
 
 from workers.models import Worker, WorkerStatus
 
-from .models import JobStatus, labels_match
+from .models import TARGET_WORKER_TYPES, Job, JobStatus, job_fits_worker, labels_match, targets_for_worker_type
 
 
 def _plural(n, word):
@@ -15,8 +15,6 @@ def _plural(n, word):
 
 def job_waiting_reason(job):
     """Return a sentence saying why queued ``job`` has not been dispatched, or None if it is not queued."""
-    from .services import TARGET_WORKER_TYPES
-
     if job.status != JobStatus.QUEUED:
         return None
     pool = Worker.objects.filter(worker_type__in=TARGET_WORKER_TYPES[job.target]).order_by()
@@ -37,8 +35,7 @@ def job_waiting_reason(job):
     available = sum(1 for status, stream, drain in matching if status == WorkerStatus.IDLE and stream is not None and drain is None)
     if available:
         ahead = (
-            type(job)
-            .objects.filter(status=JobStatus.QUEUED, priority__gte=job.priority, submitted_at__lt=job.submitted_at)
+            Job.objects.filter(status=JobStatus.QUEUED, priority__gte=job.priority, submitted_at__lt=job.submitted_at)
             .count()
         )
         if ahead:
@@ -48,3 +45,13 @@ def job_waiting_reason(job):
     parts = [f"{n} {state}" for state, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
     verb = "matches" if len(matching) == 1 else "match"
     return f"{_plural(len(matching), kind)} {verb} but none is available ({', '.join(parts)})"
+
+
+def jobs_waiting_for(worker, *, batch=200):
+    """Return whether a queued job fits ``worker`` (its type, GPUs and labels; not its availability)."""
+    if worker.drain_requested_at is not None:
+        return False
+    candidates = Job.objects.filter(
+        status=JobStatus.QUEUED, target__in=targets_for_worker_type(worker.worker_type), gpu_count__lte=worker.gpu_count
+    ).only("pk", "worker_labels", "gpu_count")
+    return any(job_fits_worker(job, worker) for job in candidates.iterator(chunk_size=batch))

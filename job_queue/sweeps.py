@@ -1,4 +1,10 @@
-"""Set-based sweeps over jobs; the same functions run under Celery beat and the embedded scheduler."""
+"""Set-based sweeps that recover jobs: stale workers and unacknowledged dispatches.
+
+A sweep selects what is stale (locking with ``skip_locked``, so two sweeps or a sweep and a request
+never wait on each other) and hands the rows to the transitions; it writes nothing itself. Each runs a
+fixed number of queries whatever the fleet size. The same functions run under Celery beat and the
+embedded scheduler.
+"""
 
 import logging
 from datetime import timedelta
@@ -7,136 +13,133 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from audit import actions
-from audit.services import Actor, audit_events, audit_write
-from simpletuner_site import metrics
-from workers.models import WORKER_ONLINE, Worker, WorkerStatus
+from audit.services import Actor
+from workers.models import WORKER_TRANSITIONS, Worker, WorkerStatus
+from workers.selectors import servers_silent_reason
+from workers.transitions import workers_free, workers_transition
 
-from .models import AttemptOutcome, Job, JobAttempt, JobStatus
-from .services import dispatch_pending
+from .dispatch import dispatch_pending
+from .models import JOB_ACTIVE, Job, JobStatus
+from .transitions import jobs_release
 
 logger = logging.getLogger(__name__)
 
+HEALTH = Actor.system("health-sweep")
 ACK_SWEEP = Actor.system("dispatch-ack-sweep")
+# What the transitions read of a job and a worker: the sweeps load no more.
+JOB_FIELDS = ("pk", "status", "worker_id", "lease_id", "attempt_count", "retry_count", "max_retries")
+WORKER_FIELDS = ("pk", "status", "drain_requested_at", "current_job_id")
+
+
+def sweep_stale_workers(*, now=None, actor=HEALTH):
+    """Take workers silent for longer than the heartbeat timeout offline and recover their jobs.
+
+    Their jobs go through ``jobs_release``: one never acknowledged goes back to the queue without
+    spending a retry; a running one is requeued while retries remain, else failed. Nothing is taken
+    offline while no server has been up long enough to hear the heartbeats (``servers_silent_reason``).
+    Rows locked by a concurrent request or sweep are skipped and picked up by the next run. Return
+    ``{"workers": n, "requeued": n, "failed": n}``.
+    """
+    now = now or timezone.now()
+    timeout = settings.SIMPLETUNER["HEARTBEAT_TIMEOUT"]
+    cutoff = now - timedelta(seconds=timeout)
+    reason = f"no heartbeat for {timeout:g} s"
+    nothing = {"workers": 0, "requeued": 0, "failed": 0}
+    silent = servers_silent_reason(now=now, timeout=timeout)
+    if silent:
+        logger.warning("health sweep: no worker taken offline: %s (their heartbeats had nowhere to go)", silent)
+        return nothing
+    with transaction.atomic():
+        stale = list(
+            Worker.objects.select_for_update(skip_locked=True)
+            .filter(status__in=WORKER_TRANSITIONS[WorkerStatus.OFFLINE], last_heartbeat__lt=cutoff)
+            .order_by()  # the model's ordering (name) would make SQLite walk the name index, not worker_status_hb
+            .only(*WORKER_FIELDS)
+        )
+        if not stale:
+            return nothing
+        worker_ids = [w.pk for w in stale]
+        jobs = list(
+            Job.objects.select_for_update(skip_locked=True)
+            .filter(worker_id__in=worker_ids, status__in=JOB_ACTIVE)
+            .order_by()
+            .only(*JOB_FIELDS)
+        )
+        # A worker whose job another transaction holds right now (a cancel, the ack sweep) waits for the
+        # next run: taking it offline now would clear its current job and leave that job orphaned.
+        held_elsewhere = set(
+            Job.objects.filter(worker_id__in=worker_ids, status__in=JOB_ACTIVE)
+            .exclude(pk__in=[j.pk for j in jobs])
+            .order_by()
+            .values_list("worker_id", flat=True)
+        )
+        stale = [w for w in stale if w.pk not in held_elsewhere]
+        if not stale:
+            return nothing
+        workers_transition(workers=stale, to=WorkerStatus.OFFLINE, actor=actor, reason=reason, current_job=None, now=now)
+        released = jobs_release(
+            jobs=jobs,
+            actor=actor,
+            reason=lambda j: (
+                f"worker lost before acknowledging: {reason}" if j.status == JobStatus.DISPATCHED else f"worker lost: {reason}"
+            ),
+            now=now,
+        )
+        if released.requeued:
+            transaction.on_commit(dispatch_pending, robust=True)
+    result = {"workers": len(stale), "requeued": len(released.requeued), "failed": len(released.failed)}
+    logger.info("health sweep: %(workers)d worker(s) offline, %(requeued)d job(s) requeued, %(failed)d failed", result)
+    return result
 
 
 def sweep_unacknowledged_dispatches(*, now=None, actor=ACK_SWEEP):
     """Put back on the queue every job dispatched longer than the acknowledgement timeout ago and never acknowledged.
 
-    An agent acknowledges a ``job_submit`` with ``starting`` within milliseconds and a reconnecting
-    stream redelivers it, so such a dispatch was lost in transit: the job goes back to ``queued``
-    without spending a retry, its attempt ends ``unacknowledged``, and the worker that held it is
+    An agent acknowledges a ``job_submit`` (``starting``, or a heartbeat, re-registration or report
+    naming the job) within milliseconds and a reconnecting stream redelivers it, so such a dispatch
+    was lost in transit: ``jobs_release`` puts the job back
+    without spending a retry and ends its attempt ``unacknowledged``, and the worker that held it is
     freed (busy -> idle, draining stays draining; an offline worker only loses its job). A late
-    ``starting`` for the old attempt is then refused (409). Runs a fixed number of queries whatever
-    the number of jobs; a job or worker row locked by a concurrent request or sweep is skipped and
-    picked up by the next run. Queued jobs are dispatched once the transaction commits.
-    Return ``{"jobs": n, "workers_freed": n}``.
+    ``starting`` for the old attempt is then refused (409). A job or worker row locked by a concurrent
+    request or sweep is skipped and picked up by the next run. Queued jobs are dispatched once the
+    transaction commits. Nothing is requeued while no server has been up for a whole acknowledgement
+    timeout (``servers_silent_reason``): after a restart the agents get that long to reconnect and
+    acknowledge. Return ``{"jobs": n, "workers_freed": n}``.
     """
     now = now or timezone.now()
     timeout = settings.SIMPLETUNER["DISPATCH_ACK_TIMEOUT"]
     cutoff = now - timedelta(seconds=timeout)
     reason = f"dispatch not acknowledged within {timeout:g} s"
+    nothing = {"jobs": 0, "workers_freed": 0}
+    silent = servers_silent_reason(now=now, timeout=timeout)
+    if silent:
+        logger.warning("dispatch-ack sweep: no dispatch requeued: %s (acknowledgements had nowhere to go)", silent)
+        return nothing
     with transaction.atomic():
         jobs = list(
             Job.objects.select_for_update(skip_locked=True)
             .filter(status=JobStatus.DISPATCHED, dispatched_at__lt=cutoff)
             .order_by()  # the model's ordering (-submitted_at) would make SQLite walk that index instead
-            .values_list("pk", "worker_id", "lease_id", "attempt_count", "retry_count", "max_retries")
+            .only(*JOB_FIELDS)
         )
         if not jobs:
-            return {"jobs": 0, "workers_freed": 0}
+            return nothing
         workers = {
-            pk: (status, drain_requested_at, current_job_id)
-            for pk, status, drain_requested_at, current_job_id in Worker.objects.select_for_update(skip_locked=True)
-            .filter(pk__in={j[1] for j in jobs if j[1] is not None})
+            w.pk: w
+            for w in Worker.objects.select_for_update(skip_locked=True)
+            .filter(pk__in={j.worker_id for j in jobs if j.worker_id is not None})
             .order_by()
-            .values_list("pk", "status", "drain_requested_at", "current_job_id")
+            .only(*WORKER_FIELDS)
         }
         # A worker row locked elsewhere may be its agent acknowledging right now: leave its job to the next run.
-        jobs = [j for j in jobs if j[1] is None or j[1] in workers]
+        jobs = [j for j in jobs if j.worker_id is None or j.worker_id in workers]
         if not jobs:
-            return {"jobs": 0, "workers_freed": 0}
-        job_ids = [j[0] for j in jobs]
-
-        # The worker that held each job, if it still does: what it becomes (as worker_resting_status).
-        freed = {}  # worker id -> (status before, status after)
-        for job_id, worker_id, *_ in jobs:
-            if worker_id is None or workers[worker_id][2] != job_id:
-                continue
-            status, drain_requested_at, _ = workers[worker_id]
-            if status in WORKER_ONLINE:
-                after = WorkerStatus.DRAINING if drain_requested_at is not None else WorkerStatus.IDLE
-            else:  # offline (or connecting): no session to return to, it only loses the job
-                after = status
-            freed[worker_id] = (status, after)
-
-        Job.objects.filter(pk__in=job_ids, status=JobStatus.DISPATCHED).update(
-            status=JobStatus.QUEUED,
-            worker=None,
-            lease_id=None,
-            dispatched_at=None,
-            started_at=None,
-            last_error=reason,
-        )
-        JobAttempt.objects.filter(lease_id__in=[j[2] for j in jobs], outcome="").update(
-            outcome=AttemptOutcome.UNACKNOWLEDGED, error=reason, finished_at=now
-        )
-        free = {"current_job": None, "last_job_finished_at": now}
-        for to in (WorkerStatus.IDLE, WorkerStatus.DRAINING):
-            moved = [pk for pk, (before, after) in freed.items() if after == to and before != to]
-            if moved:
-                Worker.objects.filter(pk__in=moved, current_job_id__in=job_ids).update(
-                    status=to, status_changed_at=now, **free
-                )
-        kept = [pk for pk, (before, after) in freed.items() if before == after]
-        if kept:
-            Worker.objects.filter(pk__in=kept, current_job_id__in=job_ids).update(**free)
-
-        audit = audit_events(
-            actor=actor,
-            action=actions.JOB_STATUS_CHANGED,
-            target_type="job",
-            rows=[
-                (
-                    job_id,
-                    {"from": JobStatus.DISPATCHED, "to": JobStatus.QUEUED, "reason": reason, "attempt": attempt}
-                    | ({"worker": worker_id} if worker_id else {}),
-                )
-                for job_id, worker_id, _lease, attempt, _retries, _max in jobs
-            ],
-        )
-        audit += audit_events(
-            actor=actor,
-            action=actions.JOB_REQUEUED,
-            target_type="job",
-            rows=[
-                (
-                    job_id,
-                    {
-                        "reason": reason,
-                        "retry_spent": False,
-                        "retry_count": retries,
-                        "max_retries": max_retries,
-                        "previous_worker": worker_id,
-                    },
-                )
-                for job_id, worker_id, _lease, _attempt, retries, max_retries in jobs
-            ],
-        )
-        audit += audit_events(
-            actor=actor,
-            action=actions.WORKER_STATUS_CHANGED,
-            target_type="worker",
-            rows=[
-                (pk, {"from": before, "to": after, "reason": f"job {workers[pk][2]} {reason}"})
-                for pk, (before, after) in freed.items()
-                if before != after
-            ],
-        )
-        audit_write(audit)
-        metrics.requeued_on_commit(len(jobs), retry_spent=False)
-
+            return nothing
+        holders = [workers[j.worker_id] for j in jobs if j.worker_id and workers[j.worker_id].current_job_id == j.pk]
+        why = {w.pk: f"job {w.current_job_id} {reason}" for w in holders}
+        jobs_release(jobs=jobs, actor=actor, reason=reason, now=now)
+        workers_free(workers=holders, actor=actor, reason=lambda w: why[w.pk], now=now)
         transaction.on_commit(dispatch_pending, robust=True)
-    result = {"jobs": len(jobs), "workers_freed": len(freed)}
+    result = {"jobs": len(jobs), "workers_freed": len(holders)}
     logger.info("dispatch-ack sweep: %(jobs)d job(s) requeued, %(workers_freed)d worker(s) freed", result)
     return result

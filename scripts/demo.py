@@ -117,7 +117,7 @@ class Demo:
         say(f"data dir {self.data_dir} (SQLite, no Redis); logs of every process are written there")
         server = self.spawn(
             "orchestrator",
-            [sys.executable, "-m", "simpletuner_site.cli", "server", "--host", "127.0.0.1", "--port", str(self.port)],
+            [sys.executable, "-m", "simpletuner_cli", "server", "--host", "127.0.0.1", "--port", str(self.port)],
         )
         self.wait_for_server(server)
         say(f"orchestrator up at {self.url}")

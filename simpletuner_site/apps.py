@@ -1,6 +1,12 @@
-"""The project's admin site in place of Django's default one (see ``simpletuner_site.admin_site``)."""
+"""The site's own app (its management commands) and the project's admin site in place of Django's default one."""
 
+from django.apps import AppConfig
 from django.contrib.admin.apps import AdminConfig
+
+
+class SiteConfig(AppConfig):
+    name = "simpletuner_site"
+    verbose_name = "Site"
 
 
 class OrchestratorAdminConfig(AdminConfig):

@@ -10,8 +10,7 @@ django.setup(set_prefix=False)
 
 from django.core.handlers.asgi import ASGIHandler  # noqa: E402
 
-# The worker stream and the operators' change feed (simpletuner_site.urls).
-STREAM_PATHS = frozenset({"/api/workers/stream", "/api/workers/stream/", "/admin/live/changes"})
+from realtime.urls import STREAM_PATHS  # noqa: E402  the worker stream and the operators' change feed
 
 
 class StreamAwareASGIHandler(ASGIHandler):

@@ -17,15 +17,15 @@ def sweep_schedule():
 
     ``task_name`` is also the name of the Celery task wrapping ``function`` (see each app's tasks.py).
     """
-    from job_queue.services import dispatch_pending
-    from job_queue.sweeps import sweep_unacknowledged_dispatches
-    from workers.sweeps import sweep_offline_ephemeral_workers, sweep_stale_workers
+    from job_queue.dispatch import dispatch_pending
+    from job_queue.sweeps import sweep_stale_workers, sweep_unacknowledged_dispatches
+    from workers.sweeps import sweep_offline_ephemeral_workers
 
     interval = settings.SIMPLETUNER["HEALTH_CHECK_INTERVAL"]
     # A lost dispatch is caught within 1.5x the acknowledgement timeout, however long the health interval.
     ack_interval = min(interval, settings.SIMPLETUNER["DISPATCH_ACK_TIMEOUT"] / 2)
     return [
-        ("workers.sweep_stale_workers", sweep_stale_workers, interval),
+        ("queue.sweep_stale_workers", sweep_stale_workers, interval),
         ("queue.sweep_unacknowledged_dispatches", sweep_unacknowledged_dispatches, ack_interval),
         ("workers.sweep_offline_ephemeral_workers", sweep_offline_ephemeral_workers, interval),
         ("queue.dispatch_pending", dispatch_pending, interval),

@@ -9,6 +9,8 @@ from urllib.parse import urlparse
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
+from worker_agent import protocol
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 
@@ -97,9 +99,13 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "drf_spectacular_sidecar",
     "django_eventstream",
+    # Ours, bottom layer first (the import-linter contract in .importlinter enforces the order).
     "audit",
     "workers",
     "job_queue",
+    "realtime",
+    "observability",
+    "simpletuner_site.apps.SiteConfig",
 ]
 
 MIDDLEWARE = [
@@ -174,7 +180,7 @@ else:
 CELERY_TASK_IGNORE_RESULT = True
 
 EVENTSTREAM_STORAGE_CLASS = "django_eventstream.storage.DjangoModelStorage"
-EVENTSTREAM_CHANNELMANAGER_CLASS = "workers.events.WorkerChannelManager"
+EVENTSTREAM_CHANNELMANAGER_CLASS = "realtime.listeners.WorkerChannelManager"
 EVENTSTREAM_ALLOW_ORIGINS = []
 
 # --- Orchestrator timers and policy ---------------------------------------------------------
@@ -201,13 +207,13 @@ SIMPLETUNER = {
     "DISPATCH_ACK_TIMEOUT": _env_seconds("SIMPLETUNER_DISPATCH_ACK_TIMEOUT", 60),
     "EPHEMERAL_CLEANUP_AFTER": _env_seconds("SIMPLETUNER_EPHEMERAL_CLEANUP_AFTER", 3600),
     "JOB_MAX_RETRIES": _env_int("SIMPLETUNER_JOB_MAX_RETRIES", 3, minimum=0),
-    # The built-in local worker that `simpletuner server` starts (see simpletuner_site.local_worker).
+    # The built-in local worker that `simpletuner server` starts (see simpletuner_cli.local_worker).
     "LOCAL_WORKER_NAME": _local_worker_name(),
     # Who may read /metrics: operators (API token or session), public (no auth), off (404).
     "METRICS": _env_choice("SIMPLETUNER_METRICS", "operators", ("operators", "public", "off")),
 }
 
-# prometheus_client's multiprocess mode (simpletuner_site.metrics): every orchestrator process on a host
+# prometheus_client's multiprocess mode (observability.metrics): every orchestrator process on a host
 # writes its counters there, and a scrape of any one of them sums them all.
 _PROMETHEUS_MULTIPROC_DIR = os.environ.get("PROMETHEUS_MULTIPROC_DIR", "")
 if _PROMETHEUS_MULTIPROC_DIR and not os.path.isdir(_PROMETHEUS_MULTIPROC_DIR):
@@ -225,7 +231,7 @@ REST_FRAMEWORK = {
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
-    "EXCEPTION_HANDLER": "simpletuner_site.api.exception_handler",
+    "EXCEPTION_HANDLER": "common.http.exception_handler",
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 100,
     "UNAUTHENTICATED_USER": None,
@@ -254,7 +260,7 @@ SPECTACULAR_SETTINGS = {
         "WorkerTypeEnum": "workers.models.WorkerType",
         "CreatableWorkerTypeEnum": ["ephemeral", "persistent"],
         "JobStatusEnum": "job_queue.models.JobStatus",
-        "ReportedJobStatusEnum": ["starting", "training", "running", "completed", "failed", "cancelled"],
+        "ReportedJobStatusEnum": list(protocol.REPORTED_STATUSES),
     },
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",

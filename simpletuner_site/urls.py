@@ -4,15 +4,14 @@ from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-from audit.live import operator_changes_stream
 
-from .metrics import MetricsView
+from observability.metrics import MetricsView
 
 urlpatterns = [
-    # Before admin/: the admin's catch-all would otherwise answer it.
-    path("admin/live/changes", operator_changes_stream, name="admin-live-changes"),
+    # The streams before admin/: the admin's catch-all would otherwise answer the change feed.
+    path("", include("realtime.urls")),
     path("admin/", admin.site.urls),
-    path("api/workers/", include("workers.api.urls")),
+    path("", include("job_queue.api.agent_urls")),
     path("api/admin/workers", include("workers.api.admin_urls")),
     path("api/queue/", include("job_queue.api.urls")),
     path("api/audit/", include("audit.api.urls")),
@@ -22,4 +21,4 @@ urlpatterns = [
     path("metrics", MetricsView.as_view(), name="metrics"),
 ]
 
-handler404 = "simpletuner_site.api.not_found"
+handler404 = "common.http.not_found"

@@ -15,142 +15,39 @@ Rules (README, "The worker agent"):
   Second: stop the job now and disconnect (the orchestrator requeues the job by its retry rules and
   takes the worker offline in the same step), exit 0. Third: kill the job and exit at once (status 1).
 - Ephemeral: exit 0 after one job is reported, or when drained while idle. Persistent: stay.
+
+This module holds the loop, the message dispatch, drain, signals and exit. The Agent class composes
+the session (registration, heartbeats, reconnecting, the stream reader: session.py) and the job's life
+(jobs.py); both are mixins of methods over the state declared in ``Agent.__init__``.
 """
 
 import importlib.util
 import logging
 import queue
 import signal
-import socket
 import threading
 import time
 
-import requests
-
-from . import __version__
-from . import progress as progress_protocol
+from . import __version__, protocol
 from .backoff import Backoff
-from .client import AgentError, FatalError, OrchestratorClient, Refused, Rejected, TransientError
+from .client import AgentError, FatalError, OrchestratorClient
 from .gpu import GpuMonitor, describe
-from .runner import JobRun, describe_exit, parse_command
-from .sse import SSEParser
+from .jobs import PROGRESS_REPORT_INTERVAL, JobsMixin
+from .runner import STOP_AGENT_EXIT, JobRun, parse_command
+from .session import SessionMixin, StreamReader
 
 logger = logging.getLogger("worker_agent")
 
-PROGRESS_REPORT_INTERVAL = 1.0  # at most one progress report a second
-CONSOLE_PROGRESS_INTERVAL = 5.0
-STABLE_STREAM_S = 30.0  # a stream that lived this long was healthy: reconnect at once
-EPHEMERAL_GIVE_UP_S = 300.0  # an ephemeral agent stops retrying an unreachable orchestrator after this
-FINISHED_ATTEMPTS_KEPT = 100
+# What to do after the orchestrator ended this worker's stream for good, by the shutdown event's ``code``.
+SHUTDOWN_FIXES = {
+    protocol.TOKEN_REVOKED: "request a new token (admin → Workers → rotate token) and restart the agent with it",
+    protocol.WORKER_DELETED: (
+        "this worker was deleted: create a new one (admin → Workers) and start the agent with its token"
+    ),
+}
 
 
-def _exit_code_field(code):
-    """Return the exit code as a shell reports it (128+N for a signal)."""
-    if code is None:
-        return None
-    return 128 - code if code < 0 else code
-
-
-def _duration(seconds):
-    seconds = int(seconds or 0)
-    minutes, seconds = divmod(seconds, 60)
-    hours, minutes = divmod(minutes, 60)
-    if hours:
-        return f"{hours}h{minutes:02d}m"
-    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
-
-
-class StreamReader:
-    """Holds the SSE stream on a daemon thread and posts what it reads to the agent's queue.
-
-    It (re)opens the stream each time ``go()`` is called (after every successful register), resuming
-    with the last event id it saw. It posts ``("sse", Event)``, ``("stream_lost", reason, seconds_open)``
-    and ``("fatal", FatalError)``.
-    """
-
-    def __init__(self, client, post):
-        self._client = client
-        self._post = post
-        self._go = threading.Event()
-        self._stopped = threading.Event()
-        self._response = None
-        self._thread = None
-        self.last_event_id = None
-        self.connected = False
-
-    def start(self):
-        self._thread = threading.Thread(target=self._run, name="sse-stream", daemon=True)
-        self._thread.start()
-        return self
-
-    def go(self):
-        """Open the stream (again): the agent has just registered."""
-        self._go.set()
-
-    def stop(self):
-        """Stop reading: wake the reader by shutting its socket down (closing it from here can block)."""
-        self._stopped.set()
-        self._go.set()
-        response = self._response
-        sock = socket_of(response) if response is not None else None
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def _run(self):
-        while True:
-            self._go.wait()
-            if self._stopped.is_set():
-                return
-            self._go.clear()
-            try:
-                response = self._client.open_stream(last_event_id=self.last_event_id)
-            except FatalError as exc:
-                self._post(("fatal", exc))
-                return
-            except AgentError as exc:
-                self._post(("stream_lost", str(exc), 0.0))
-                continue
-            self._response = response
-            opened = time.monotonic()
-            self.connected = True
-            reason = "closed by the orchestrator"
-            parser = SSEParser()
-            try:
-                for chunk in response.iter_content(chunk_size=None):
-                    for event in parser.feed(chunk):
-                        if event.id:
-                            self.last_event_id = event.id
-                        self._post(("sse", event))
-                    if self._stopped.is_set():
-                        return
-            except (requests.exceptions.RequestException, OSError, ValueError, AttributeError) as exc:
-                reason = f"connection lost ({exc.__class__.__name__})"
-            finally:
-                self.connected = False
-                self._response = None
-                response.close()
-            if self._stopped.is_set():
-                return
-            self._post(("stream_lost", reason, time.monotonic() - opened))
-
-
-def socket_of(response):
-    """Return the socket under a streamed response, or None (urllib3 2.x internals, best effort)."""
-    raw = getattr(response, "raw", None)
-    connection = getattr(raw, "_connection", None) or getattr(raw, "connection", None)
-    sock = getattr(connection, "sock", None)
-    if sock is not None:
-        return sock
-    try:
-        return raw._fp.fp.raw._sock
-    except AttributeError:
-        return None
-
-
-class Agent:
+class Agent(SessionMixin, JobsMixin):
     """One worker agent process. ``run()`` returns the exit status.
 
     ``client``, ``monitor``, ``clock``, ``run_factory`` and ``stream`` are injectable for tests.
@@ -230,7 +127,7 @@ class Agent:
     def _shut_down(self):
         if self.job is not None and self.job.running:
             grace = min(self.config.cancel_grace, 10.0)
-            self.job.stop("shutdown", grace=grace)
+            self.job.stop(STOP_AGENT_EXIT, grace=grace)
             self.job.wait(grace + 5)
         self.stream.stop()
         self.monitor.close()
@@ -287,352 +184,17 @@ class Agent:
             return  # keep-alives and library notices without JSON data
         kind = data.get("type") or event.type
         logger.debug("event %s %s", kind, {k: v for k, v in data.items() if k not in ("config", "dataloader")})
-        if kind == "job_submit":
+        if kind == protocol.JOB_SUBMIT:
             self.on_job_submit(data)
-        elif kind == "job_cancel":
+        elif kind == protocol.JOB_CANCEL:
             self.on_job_cancel(data)
-        elif kind == "drain":
+        elif kind == protocol.DRAIN:
             self.start_drain("the orchestrator asked this worker to drain")
-        elif kind == "shutdown":
-            self.on_shutdown(str(data.get("reason") or "no reason given"))
-        elif kind == "stream-reset":
+        elif kind == protocol.SHUTDOWN:
+            self.on_shutdown(data)
+        elif kind == protocol.STREAM_RESET:
             logger.info("The orchestrator no longer has the events since the last one seen; state was reconciled at registration")
-
-    # --- registration and liveness ------------------------------------------------------------
-
-    def current_job_id(self):
-        if self.job is not None:
-            return self.job.job_id
-        if self.pending_report is not None:
-            return self.pending_report[0]
-        return None
-
-    def register(self):
-        body = {
-            "name": self.config.name,
-            "persistent": self.config.persistent,
-            "current_job_id": self.current_job_id(),
-            "hostname": socket.gethostname(),
-            "agent_version": __version__,
-            **self.capabilities,
-        }
-        try:
-            result = self.client.register(body)
-        except FatalError as exc:
-            self.fatal(exc)
-            return
-        except Rejected as exc:
-            self.fatal(FatalError(f"registration refused: {exc}"))
-            return
-        except (TransientError, Refused) as exc:
-            self._unreachable(exc)
-            if self.exit_code is None:
-                delay = self.register_backoff.next_delay(getattr(exc, "retry_after", 0) or 0)
-                logger.warning("Cannot register: %s; retrying in %.0fs", exc, delay)
-                self.register_due = self.clock() + delay
-            return
-        self.register_backoff.reset()
-        self.unreachable_since = None
-        self.registered = True
-        self.register_due = None
-        first = not self.ever_registered
-        self.ever_registered = True
-        self.worker_id = result.get("worker_id")
-        if self.config.heartbeat_interval is None and result.get("heartbeat_interval"):
-            self.heartbeat_interval = float(result["heartbeat_interval"])
-        logger.info(
-            "%s as %s (%s) at %s",
-            "Registered" if first else "Registered again",
-            self.config.name,
-            self.worker_id,
-            self.config.orchestrator_url,
-        )
-        self._reconcile(result)
-        self.next_heartbeat = self.clock() + self.heartbeat_interval
-        self.stream.go()
-        if result.get("draining"):
-            self.start_drain("this worker is draining")
-        elif self.job is None and self.pending_report is None and first:
-            logger.info("Waiting for jobs")
-
-    def _reconcile(self, result):
-        resume = result.get("resume_job")
-        abandon = result.get("abandon_job")
-        if isinstance(resume, dict) and resume.get("job_id") == self.current_job_id():
-            if self.job is not None:
-                if resume.get("attempt"):
-                    self.job.attempt = resume["attempt"]
-                logger.info("The orchestrator confirmed job %s is still ours; it keeps running", self.job.job_id)
-            if self.pending_report is not None:
-                if resume.get("attempt"):
-                    self.pending_report[1]["attempt"] = resume["attempt"]
-                self.report_due = self.clock()
-        elif abandon:
-            self.abandon(str(abandon), "the orchestrator says it is no longer this worker's job")
-
-    def heartbeat(self):
-        body = {"status": "busy" if self.current_job_id() else "idle", "current_job_id": self.current_job_id()}
-        if self.job is not None:
-            body["progress"] = self.job.snapshot()[0] or None
-        body.update(self.monitor.sample())
-        self.next_heartbeat = self.clock() + self.heartbeat_interval
-        try:
-            result = self.client.heartbeat(body)
-        except Refused as exc:
-            if exc.abandon_job:
-                self._refused(str(exc.abandon_job), exc)
-            return
-        except FatalError as exc:
-            self.fatal(exc)
-            return
-        except (TransientError, Rejected) as exc:
-            if not self.heartbeat_failing:
-                logger.warning("Heartbeat failed: %s", exc)
-            self.heartbeat_failing = True
-            self._unreachable(exc)
-            return
-        if self.heartbeat_failing:
-            logger.info("Heartbeats reach the orchestrator again")
-        self.heartbeat_failing = False
-        self.unreachable_since = None
-        if result.get("draining"):
-            self.start_drain("this worker is draining")
-
-    def _unreachable(self, exc):
-        """Count an unreachable orchestrator; an ephemeral agent gives up after EPHEMERAL_GIVE_UP_S."""
-        now = self.clock()
-        if self.unreachable_since is None:
-            self.unreachable_since = now
-        if not self.config.persistent and now - self.unreachable_since >= EPHEMERAL_GIVE_UP_S:
-            self.fatal(FatalError(f"gave up after {int(now - self.unreachable_since)}s without the orchestrator: {exc.message}", fix=exc.fix))
-
-    def on_stream_lost(self, reason, seconds_open):
-        if self.exit_code is not None:
-            return
-        self.registered = False
-        delay = 0.0 if seconds_open >= STABLE_STREAM_S else self.register_backoff.next_delay()
-        if seconds_open >= STABLE_STREAM_S:
-            self.register_backoff.reset()
-        logger.warning("Stream to the orchestrator lost (%s); reconnecting in %.0fs", reason, delay)
-        self.register_due = self.clock() + delay
-
-    # --- jobs ---------------------------------------------------------------------------------
-
-    def on_job_submit(self, data):
-        job_id, attempt = data.get("job_id"), data.get("attempt")
-        if not job_id:
-            logger.warning("Ignoring a job_submit without job_id")
-            return
-        job_id = str(job_id)
-        if self.job is not None and self.job.job_id == job_id and attempt in (None, self.job.attempt):
-            return  # delivered again (replay or redelivery): already running it
-        if attempt and attempt in self.finished_attempts:
-            return  # an old dispatch replayed after a reconnect
-        if self.pending_report is not None and self.pending_report[0] == job_id and attempt == self.pending_report[1].get("attempt"):
-            return
-        if self.signals:
-            logger.info("Job %s arrived while stopping; not started (the orchestrator requeues it at disconnect)", job_id)
-            return
-        if self.job is not None or self.pending_report is not None:
-            if all(w.get("attempt") != attempt or w.get("job_id") != job_id for w in self.waiting):
-                self.waiting.append(data)
-                logger.info("Job %s arrived while job %s is busy; it starts next", job_id, self.current_job_id())
-            return
-        self.start_job(data)
-
-    def start_job(self, data):
-        job_id, attempt = str(data["job_id"]), data.get("attempt")
-        label = data.get("config_name") or job_id
-        try:
-            self.client.report(job_id, {"status": "starting", "attempt": attempt})
-        except Refused as exc:
-            logger.info("Job %s (%s) is no longer this worker's (%s); not started", job_id, label, exc.message)
-            self._remember_attempt(attempt)
-            return
-        except FatalError as exc:
-            self.fatal(exc)
-            return
-        except (TransientError, Rejected) as exc:
-            logger.warning("Could not acknowledge job %s (%s); starting it anyway", job_id, exc)
-        run = self.run_factory(
-            job_id=job_id,
-            attempt=attempt,
-            config=data.get("config") or {},
-            dataloader=data.get("dataloader"),
-            work_dir=self.config.work_dir,
-            command=self.command,
-            on_exit=lambda finished: self.inbox.put(("job_exited", finished)),
-            grace=self.config.cancel_grace,
-            clock=self.clock,
-        )
-        try:
-            run.start()
-        except (OSError, ValueError) as exc:
-            why = getattr(exc, "strerror", None) or str(exc)
-            error = f"cannot start the training command {self.command[0]!r}: {why}"
-            logger.error("Job %s failed to start: %s", job_id, error)
-            self._remember_attempt(attempt)
-            self._queue_report(job_id, {"status": "failed", "attempt": attempt, "error": error})
-            return
-        self.job = run
-        self.last_progress_report = None
-        self.reported_version = -1
-        self.console_version = -1
-        self.last_console = None  # the first progress line shows at once, then one every few seconds
-        number = data.get("attempt_number")
-        logger.info(
-            "Job %s started: %s%s, in %s", job_id, label, f" (attempt {number})" if number else "", run.job_dir
-        )
-        self.report_progress(force=True)
-
-    def report_progress(self, *, force=False):
-        run = self.job
-        now = self.clock()
-        progress, version = run.snapshot()
-        if not force:
-            if version == self.reported_version:
-                return
-            if self.last_progress_report is not None and now - self.last_progress_report < PROGRESS_REPORT_INTERVAL:
-                return
-        self.last_progress_report = now
-        body = {"status": "running", "attempt": run.attempt, "progress": progress or None, "log_tail": run.log_tail()}
-        try:
-            self.client.report(run.job_id, body)
-        except Refused as exc:
-            self._refused(run.job_id, exc)
-            return
-        except FatalError as exc:
-            self.fatal(exc)
-            return
-        except (TransientError, Rejected) as exc:
-            logger.debug("progress report for job %s failed: %s", run.job_id, exc)
-            return
-        self.reported_version = version
-
-    def _console_progress(self):
-        run = self.job
-        progress, version = run.snapshot()
-        now = self.clock()
-        if not progress or version == self.console_version:
-            return
-        if self.last_console is not None and now - self.last_console < CONSOLE_PROGRESS_INTERVAL:
-            return
-        self.console_version = version
-        self.last_console = now
-        logger.info("Job %s: %s", run.job_id, progress_protocol.format_progress(progress))
-
-    def _refused(self, job_id, exc):
-        """A report or heartbeat about ``job_id`` was refused (409): cancel it or abandon it."""
-        if exc.code == "job_cancelled":
-            self.on_job_cancel({"job_id": job_id})  # stopped and reported cancelled: frees the worker at once
-        else:
-            self.abandon(job_id, exc.message)
-
-    def on_job_cancel(self, data):
-        job_id = str(data.get("job_id") or "")
-        if self.job is not None and self.job.job_id == job_id:
-            if self.job.stop_reason is None:
-                logger.info("Job %s cancelled by the orchestrator; stopping it", job_id)
-                self.job.stop("cancel")
-            return
-        before = len(self.waiting)
-        self.waiting = [w for w in self.waiting if str(w.get("job_id")) != job_id]
-        if len(self.waiting) != before:
-            logger.info("Job %s cancelled before it started", job_id)
-
-    def abandon(self, job_id, reason):
-        """Stop ``job_id`` without reporting it: the orchestrator says it is no longer ours."""
-        if self.job is not None and self.job.job_id == job_id:
-            logger.warning("Abandoning job %s: %s", job_id, reason)
-            self.job.stop("abandon")
-        elif self.pending_report is not None and self.pending_report[0] == job_id:
-            logger.warning("Dropping the result of job %s: %s", job_id, reason)
-            self.pending_report = None
-            self.report_due = None
-            self._after_job(reported=False)
-
-    def on_job_exit(self, run):
-        if run is not self.job:
-            return
-        self.job = None
-        self._remember_attempt(run.attempt)
-        took = _duration((run.finished_at or self.clock()) - (run.started_at or self.clock()))
-        code = run.returncode
-        if run.stop_reason == "abandon":
-            logger.info("Job %s stopped (%s); not reported", run.job_id, describe_exit(code))
-            self._after_job(reported=False)
-            return
-        body = {
-            "attempt": run.attempt,
-            "exit_code": _exit_code_field(code),
-            "progress": run.snapshot()[0] or None,
-            "log_tail": run.log_tail(),
-        }
-        if run.stop_reason == "cancel":
-            body.update(status="cancelled", error="cancelled by the orchestrator")
-            logger.info("Job %s cancelled after %s", run.job_id, took)
-        elif run.stop_reason == "shutdown":
-            # Not reported as a result: disconnecting hands the job back to the queue and takes this
-            # worker offline in one step, so the requeued job cannot be dispatched straight back here.
-            logger.info("Job %s stopped after %s (worker shutting down)", run.job_id, took)
-            self.leave("stopped by signal; the orchestrator requeues the job")
-            return
-        elif code == 0:
-            body.update(status="completed", error=None)
-            logger.info("Job %s completed in %s", run.job_id, took)
-        else:
-            error = f"Training {describe_exit(code)}"
-            last = run.last_line()
-            if last:
-                error += f": {last}"
-            body.update(status="failed", error=error)
-            logger.info("Job %s failed after %s: %s", run.job_id, took, error)
-        self._queue_report(run.job_id, body)
-
-    def _queue_report(self, job_id, body):
-        self.pending_report = (job_id, body)
-        self.report_backoff.reset()
-        self.report_due = self.clock()
-        self.deliver_report()
-
-    def deliver_report(self):
-        job_id, body = self.pending_report
-        try:
-            self.client.report(job_id, body)
-        except Refused as exc:
-            logger.warning("The orchestrator refused the result of job %s: %s", job_id, exc.message)
-        except FatalError as exc:
-            self.fatal(exc)
-            return
-        except TransientError as exc:
-            delay = self.report_backoff.next_delay(exc.retry_after or 0)
-            logger.warning("Could not report job %s (%s); retrying in %.0fs", job_id, exc.message, delay)
-            self.report_due = self.clock() + delay
-            return
-        except Rejected as exc:
-            logger.error("The orchestrator rejected the result of job %s: %s", job_id, exc)
-        self.pending_report = None
-        self.report_due = None
-        self._after_job(reported=True)
-
-    def _remember_attempt(self, attempt):
-        if attempt:
-            self.finished_attempts.append(attempt)
-            del self.finished_attempts[:-FINISHED_ATTEMPTS_KEPT]
-
-    def _after_job(self, *, reported):
-        if reported:
-            self.jobs_reported += 1
-        if self.signals:
-            self.leave("stopping after the signal")
-        elif reported and not self.config.persistent:
-            self.leave("ephemeral worker: its job is done")
-        elif self.draining:
-            self._idle_drained()
-        elif self.waiting:
-            self.start_job(self.waiting.pop(0))
-        else:
-            logger.info("Waiting for jobs")
+        # Anything else (protocol.PING, the upstream agent's keep-alive, or a type this agent does not know) is ignored.
 
     # --- drain, signals, exit -----------------------------------------------------------------
 
@@ -662,18 +224,22 @@ class Agent:
                 logger.info("%s: finishing job %s, then exiting (send it again to stop the job now)", name, job_id)
         elif self.signals == 2 and self.job is not None:
             logger.info("%s again: stopping job %s now", name, job_id)
-            self.job.stop("shutdown")
+            self.job.stop(STOP_AGENT_EXIT)
         else:
             logger.warning("%s again: exiting now%s", name, f" without reporting job {job_id}" if job_id else "")
             if self.job is not None:
                 self.job.kill()
             self.exit_code = 1
 
-    def on_shutdown(self, reason):
-        revoked = any(word in reason for word in ("token", "deleted", "revoked"))
-        fix = (
-            "request a new token (admin → Workers → rotate token) and restart the agent with it" if revoked else ""
-        )
+    def on_shutdown(self, data: protocol.ShutdownEvent):
+        """The orchestrator ended this worker's stream for good: exit 1 with its reason.
+
+        The fix shown is chosen by the event's ``code`` alone (SHUTDOWN_FIXES); without a known code
+        there is none. The ``reason`` is for people and is never parsed.
+        """
+        reason = str(data.get("reason") or "no reason given")
+        code = data.get("code")
+        fix = SHUTDOWN_FIXES.get(code, "") if isinstance(code, str) else ""
         self.fatal(FatalError(f"the orchestrator closed this worker's stream: {reason}", fix=fix), disconnect=False)
 
     def leave(self, why):
@@ -697,4 +263,3 @@ class Agent:
             except AgentError:
                 pass
         self.exit_code = 1
-

@@ -5,11 +5,10 @@ from urllib.parse import urlsplit
 
 import requests
 
-from . import __version__
+from . import __version__, protocol
 
 logger = logging.getLogger(__name__)
 
-TOKEN_HEADER = "X-Worker-Token"
 HTTP_TIMEOUT = (10, 30)  # (connect, read) seconds for every call but the stream
 STREAM_READ_TIMEOUT = 65  # the orchestrator sends a keep-alive every 20 s; three missed means a dead link
 
@@ -57,7 +56,9 @@ class TransientError(AgentError):
 class Refused(AgentError):
     """The orchestrator refused a report or heartbeat with 409 (a job or attempt no longer ours).
 
-    ``code`` is the reason code; ``abandon_job`` the job id the agent must stop without reporting it.
+    ``code`` is the machine-readable reason (``protocol.JOB_CANCELLED``, ``JOB_NOT_OWNED``,
+    ``STALE_ATTEMPT``...), the only thing the agent decides on; ``abandon_job`` the job id the agent
+    must stop without reporting it.
     """
 
     def __init__(self, message, *, code="", abandon_job=None):
@@ -103,7 +104,7 @@ class OrchestratorClient:
         self.timeout = timeout
         self.session = session or requests.Session()
         self.session.headers.update(
-            {TOKEN_HEADER: token, "User-Agent": f"simpletuner-worker-agent/{__version__}"}
+            {protocol.WORKER_TOKEN_HEADER: token, "User-Agent": f"simpletuner-worker-agent/{__version__}"}
         )
         self.session.verify = verify
         # Passed on every request too: requests lets REQUESTS_CA_BUNDLE/CURL_CA_BUNDLE override a
@@ -116,37 +117,39 @@ class OrchestratorClient:
 
     # --- the protocol ---------------------------------------------------------------------------
 
-    def register(self, body):
-        """POST /api/workers/register; return the response body (``worker_id``, ``resume_job``/``abandon_job``...)."""
-        result = self._call("POST", "/api/workers/register", json=body)
+    def register(self, body: protocol.RegisterRequest) -> protocol.RegisterResponse:
+        """POST REGISTER_PATH; return the response body (``worker_id``, ``resume_job``/``abandon_job``...)."""
+        result = self._call("POST", protocol.REGISTER_PATH, json=body)
         self.worker_id = result.get("worker_id") or self.worker_id
         return result
 
-    def heartbeat(self, body):
-        """POST /api/workers/heartbeat; return the worker's state as the orchestrator sees it."""
-        return self._call("POST", "/api/workers/heartbeat", json={"worker_id": self.worker_id, **body})
+    def heartbeat(self, body: protocol.HeartbeatRequest) -> protocol.HeartbeatResponse:
+        """POST HEARTBEAT_PATH; return the worker's state as the orchestrator sees it."""
+        request: protocol.HeartbeatRequest = {"worker_id": self.worker_id, **body}
+        return self._call("POST", protocol.HEARTBEAT_PATH, json=request)
 
-    def report(self, job_id, body):
-        """POST /api/workers/job/{job_id}/status; raise Refused (409) when the job is no longer ours."""
-        return self._call("POST", f"/api/workers/job/{job_id}/status", json=body)
+    def report(self, job_id, body: protocol.JobReport) -> protocol.JobReportResponse:
+        """POST job_status_path(job_id); raise Refused (409) when the job is no longer ours."""
+        return self._call("POST", protocol.job_status_path(job_id), json=body)
 
     def has_jobs(self):
-        """GET /api/workers/queue: whether a queued job fits this worker."""
-        return bool(self._call("GET", "/api/workers/queue", params={"worker_id": self.worker_id}).get("has_jobs"))
+        """GET QUEUE_PATH: whether a queued job fits this worker."""
+        response: protocol.QueueResponse = self._call("GET", protocol.QUEUE_PATH, params={"worker_id": self.worker_id})
+        return bool(response.get("has_jobs"))
 
     def disconnect(self):
-        """POST /api/workers/disconnect (graceful shutdown)."""
-        return self._call("POST", "/api/workers/disconnect", json={"worker_id": self.worker_id})
+        """POST DISCONNECT_PATH (graceful shutdown)."""
+        return self._call("POST", protocol.DISCONNECT_PATH, json={"worker_id": self.worker_id})
 
     def open_stream(self, *, last_event_id=None):
-        """GET /api/workers/stream; return the open streaming response (the caller reads and closes it)."""
+        """GET STREAM_PATH; return the open streaming response (the caller reads and closes it)."""
         headers = {"Accept": "text/event-stream", "Cache-Control": "no-cache"}
         if last_event_id:
             headers["Last-Event-ID"] = last_event_id
         params = {"worker_id": self.worker_id} if self.worker_id else None
         return self._send(
             "GET",
-            "/api/workers/stream",
+            protocol.STREAM_PATH,
             headers=headers,
             params=params,
             stream=True,
@@ -198,7 +201,7 @@ class OrchestratorClient:
                 f"the orchestrator answered {method} {path} with HTTP {status}{': ' + detail if detail else ''}",
                 retry_after=_retry_after(response),
             )
-        if status == 404 and path == "/api/workers/register":
+        if status == 404 and path == protocol.REGISTER_PATH:
             raise FatalError(
                 f"{self.base_url} has no worker API (HTTP 404 for {path})",
                 fix="pass the orchestrator's base URL, e.g. https://orchestrator.example.com:8001",

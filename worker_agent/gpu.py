@@ -193,7 +193,7 @@ class GpuMonitor:
             return False
 
     def sample(self):
-        """Return the utilisation figures a heartbeat carries.
+        """Return the utilisation figures a heartbeat carries: one value per ``protocol.HEARTBEAT_METRIC_FIELDS``.
 
         Per GPU (lists in device order, None where that GPU's reading failed): ``gpu_utilization``
         (%), ``gpu_memory_used_gb``, ``gpu_memory_total_gb`` and ``gpus`` (``{"index",

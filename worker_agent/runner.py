@@ -28,6 +28,11 @@ LOG_FILE = "train.log"
 SCRUBBED_ENV = ("SIMPLETUNER_WORKER_TOKEN",)
 PR_SET_PDEATHSIG = 1
 
+# Why the agent stopped a job: its own bookkeeping, never sent to the orchestrator. The first one wins.
+STOP_CANCEL = "cancel"  # the orchestrator cancelled it: reported as cancelled
+STOP_ABANDON = "abandon"  # no longer this worker's job: not reported at all
+STOP_AGENT_EXIT = "agent_exit"  # the agent is exiting: disconnecting hands the job back to the queue
+
 
 def parse_command(raw):
     """Return the training command as an argv list: ``raw`` split like a shell would, or the default.
@@ -84,7 +89,7 @@ class JobRun:
         self._clock = clock
         self.process = None
         self.returncode = None
-        self.stop_reason = None  # None, or why we stopped it: "cancel", "abandon", "shutdown"
+        self.stop_reason = None  # None, or why we stopped it: one of the STOP_* reasons
         self.started_at = None
         self.finished_at = None
         self.progress = {}
@@ -217,7 +222,7 @@ class JobRun:
         return self.process is not None and self.returncode is None
 
     def stop(self, reason, *, grace=None):
-        """Stop the trainer for ``reason`` (first reason wins): SIGTERM now, SIGKILL after the grace period.
+        """Stop the trainer for ``reason`` (a STOP_* value; the first one wins): SIGTERM now, SIGKILL after grace.
 
         Return at once; the process's end arrives through ``on_exit``.
         """

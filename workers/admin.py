@@ -16,19 +16,19 @@ from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.timezone import localtime
 
-from simpletuner_site.admin_site import (
+from audit.html import audit_trail_html
+from audit.services import Actor
+from common.admin_kit import (
     LiveChangeListMixin,
     ObjectButtonsMixin,
     admin_link,
     ago_html,
-    audit_trail_html,
     form_page,
     pretty_json_html,
     run_service_on_each,
     status_badge,
 )
-from simpletuner_site.api import request_actor
-from simpletuner_site.errors import InvalidInput, ServiceError
+from common.errors import InvalidInput, ServiceError
 
 from .models import Token, Worker, WorkerStatus, WorkerType
 from .onboarding import CREATABLE_TYPES, agent_command_line, parse_label_pairs
@@ -199,7 +199,7 @@ class WorkerAdmin(ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
         form = WorkerAddForm(request.POST or None)
         if request.method == "POST" and form.is_valid():
             try:
-                worker, token = worker_create(**form.cleaned_data, actor=request_actor(request))
+                worker, token = worker_create(**form.cleaned_data, actor=Actor.for_request(request))
             except ServiceError as exc:
                 form.add_error("name" if exc.code == "name_taken" else None, exc.detail)
             else:
@@ -235,7 +235,7 @@ class WorkerAdmin(ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
     @admin.action(description="Drain selected workers (finish the current job, take no new one)", permissions=["manage"])
     def drain_workers(self, request, queryset):
         run_service_on_each(
-            self, request, queryset, lambda w: worker_drain(worker_id=w.pk, actor=request_actor(request)), done="Draining"
+            self, request, queryset, lambda w: worker_drain(worker_id=w.pk, actor=Actor.for_request(request)), done="Draining"
         )
 
     @admin.action(description="Rotate the token of the selected worker (shown once)", permissions=["manage"])
@@ -249,12 +249,12 @@ class WorkerAdmin(ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
     @admin.action(description="Delete selected workers (offline ones only)", permissions=["manage"])
     def delete_workers(self, request, queryset):
         run_service_on_each(
-            self, request, queryset, lambda w: worker_delete(worker_id=w.pk, actor=request_actor(request)), done="Deleted"
+            self, request, queryset, lambda w: worker_delete(worker_id=w.pk, actor=Actor.for_request(request)), done="Deleted"
         )
 
     def _rotate(self, request, worker):
         try:
-            token = worker_rotate_token(worker_id=worker.pk, actor=request_actor(request))
+            token = worker_rotate_token(worker_id=worker.pk, actor=Actor.for_request(request))
         except ServiceError as exc:
             self.message_user(request, f"Refused: {exc.detail}", messages.ERROR)
             return None
@@ -269,7 +269,7 @@ class WorkerAdmin(ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
     def drain_view(self, request, worker_id):
         worker = self._worker_or_404(request, worker_id)
         run_service_on_each(
-            self, request, [worker], lambda w: worker_drain(worker_id=w.pk, actor=request_actor(request)), done="Draining"
+            self, request, [worker], lambda w: worker_drain(worker_id=w.pk, actor=Actor.for_request(request)), done="Draining"
         )
         return self.change_page(worker.pk)
 
@@ -284,7 +284,7 @@ class WorkerAdmin(ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
         return deleted, counts, set(), protected
 
     def delete_model(self, request, obj):
-        worker_delete(worker_id=obj.pk, actor=request_actor(request))  # never a bare ORM delete
+        worker_delete(worker_id=obj.pk, actor=Actor.for_request(request))  # never a bare ORM delete
 
     def delete_view(self, request, object_id, extra_context=None):
         worker = self.get_object(request, unquote(object_id))
@@ -295,7 +295,7 @@ class WorkerAdmin(ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
                 return self.change_page(worker.pk)
             if request.method == "POST":
                 try:
-                    worker_delete(worker_id=worker.pk, actor=request_actor(request))
+                    worker_delete(worker_id=worker.pk, actor=Actor.for_request(request))
                 except ServiceError as exc:
                     self.message_user(request, f"Refused: {exc.detail}", messages.ERROR)
                     return self.change_page(worker.pk)

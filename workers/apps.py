@@ -6,7 +6,4 @@ class WorkersConfig(AppConfig):
     verbose_name = "Workers"
 
     def ready(self):
-        from . import events
         from .api import schema  # noqa: F401  registers the OpenAPI authentication extensions
-
-        events.install_listener_manager()

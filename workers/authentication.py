@@ -2,10 +2,12 @@
 
 from rest_framework import authentication, exceptions, permissions
 
+from worker_agent import protocol
+
 from .models import TokenKind
 from .services import token_authenticate
 
-WORKER_TOKEN_HEADER = "X-Worker-Token"
+WORKER_TOKEN_HEADER = protocol.WORKER_TOKEN_HEADER
 
 
 class BearerTokenAuthentication(authentication.BaseAuthentication):
@@ -64,11 +66,11 @@ class WorkerTokenAuthentication(authentication.BaseAuthentication):
         return WorkerPrincipal(token), token
 
     def authenticate_header(self, request):
-        return 'Token realm="worker", header="X-Worker-Token"'
+        return f'Token realm="worker", header="{WORKER_TOKEN_HEADER}"'
 
 
 class IsWorker(permissions.BasePermission):
-    message = "A worker token (X-Worker-Token) is required"
+    message = f"A worker token ({WORKER_TOKEN_HEADER}) is required"
 
     def has_permission(self, request, view):
         return isinstance(request.user, WorkerPrincipal)

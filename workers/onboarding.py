@@ -5,7 +5,7 @@ Shared by ``manage.py create_worker`` and the admin's "Add worker" page.
 
 import shlex
 
-from simpletuner_site.errors import InvalidInput
+from common.errors import InvalidInput
 
 from .models import WorkerType
 

@@ -1,4 +1,7 @@
-"""Every write to workers and tokens: creation, registration, liveness, drain, rotation, deletion."""
+"""Writes to workers and tokens that are the workers' own: tokens, creation, drain, rotation, deletion, presence.
+
+What an agent does that touches its job too (register, heartbeat, disconnect) is ``job_queue.agents``.
+"""
 
 import logging
 import math
@@ -9,11 +12,12 @@ from django.utils import timezone
 
 from audit import actions
 from audit.services import Actor, audit_record
-from simpletuner_site.errors import Conflict, InvalidInput, InvalidTransition, NotFound, StaleReport
+from common.errors import Conflict, InvalidInput, NotFound
+
+from worker_agent import protocol
 
 from . import events
 from .models import (
-    WORKER_TRANSITIONS,
     ServerPresence,
     Token,
     TokenKind,
@@ -23,6 +27,7 @@ from .models import (
     generate_token,
     hash_token,
 )
+from .transitions import workers_transition
 
 logger = logging.getLogger(__name__)
 
@@ -80,50 +85,15 @@ def api_token_create(*, user, actor, description=""):
     return plaintext
 
 
-# --- the one writer of Worker.status ------------------------------------------------------------
+# --- workers ---------------------------------------------------------------------------------------
 
 
-def _lock_worker(worker_id):
+def lock_worker(worker_id):
+    """Return the worker row locked for update; raise NotFound if there is none."""
     try:
         return Worker.objects.select_for_update().get(pk=worker_id)
     except Worker.DoesNotExist:
         raise NotFound(f"worker {worker_id} does not exist") from None
-
-
-def worker_transition(*, worker, to, actor, reason="", **fields):
-    """Move a locked ``worker`` to status ``to``, write ``fields`` with it, and audit the change.
-
-    Raise InvalidTransition if the table in ``workers.models`` forbids it. A transition to the
-    current status only writes ``fields`` (no audit row).
-    """
-    before = worker.status
-    if before not in WORKER_TRANSITIONS[to]:
-        raise InvalidTransition(f"worker {worker.pk} cannot go from {before} to {to}")
-    now = timezone.now()
-    if before != to:
-        fields["status_changed_at"] = now
-    updated = Worker.objects.filter(pk=worker.pk, status=before).update(status=to, **fields)
-    if updated != 1:
-        raise InvalidTransition(f"worker {worker.pk} changed status concurrently; from {before} to {to} refused")
-    for name, value in fields.items():
-        setattr(worker, name, value)
-    worker.status = to
-    if before != to:
-        audit_record(
-            actor=actor,
-            action=actions.WORKER_STATUS_CHANGED,
-            target_type="worker",
-            target_id=worker.pk,
-            details={"from": before, "to": to, "reason": reason},
-        )
-    return worker
-
-
-def worker_resting_status(worker, *, busy):
-    """Return the status a live worker should have: draining wins, then busy, then idle."""
-    if worker.drain_requested_at is not None:
-        return WorkerStatus.DRAINING
-    return WorkerStatus.BUSY if busy else WorkerStatus.IDLE
 
 
 # --- operator actions -----------------------------------------------------------------------------
@@ -189,7 +159,7 @@ def worker_provision_local(*, name, actor, plaintext=None):
                 code="name_taken",
             )
         if not created:
-            worker = _lock_worker(worker.pk)
+            worker = lock_worker(worker.pk)
             token = token_authenticate(kind=TokenKind.WORKER, plaintext=plaintext)
             if token is not None and token.worker_id == worker.pk:
                 return worker, plaintext.strip()
@@ -216,7 +186,7 @@ def worker_provision_local(*, name, actor, plaintext=None):
 def worker_rotate_token(*, worker_id, actor):
     """Revoke every token of the worker, issue a new one, close streams opened with the old; return plaintext."""
     with transaction.atomic():
-        worker = _lock_worker(worker_id)
+        worker = lock_worker(worker_id)
         old_ids = list(worker.tokens.filter(revoked_at__isnull=True).values_list("pk", flat=True))
         worker.tokens.filter(pk__in=old_ids).update(revoked_at=timezone.now())
         token, plaintext = token_issue(kind=TokenKind.WORKER, worker=worker)
@@ -247,7 +217,7 @@ def worker_delete(*, worker_id, actor):
     Raise Conflict if the worker is online.
     """
     with transaction.atomic():
-        worker = _lock_worker(worker_id)
+        worker = lock_worker(worker_id)
         refusal = worker_delete_refusal(worker)
         if refusal:
             raise Conflict(refusal, code="worker_online")
@@ -260,7 +230,7 @@ def worker_delete(*, worker_id, actor):
             details={"name": worker.name, "worker_type": worker.worker_type, "labels": worker.labels},
         )
         worker.delete()
-        events.revoke_streams_on_commit(worker_id, token_ids, "worker deleted")
+        events.revoke_streams_on_commit(worker_id, token_ids, "worker deleted", code=protocol.WORKER_DELETED)
 
 
 def worker_drain(*, worker_id, actor):
@@ -269,7 +239,7 @@ def worker_drain(*, worker_id, actor):
     The drain is durable: heartbeats and re-registration keep it, and an offline worker comes back draining.
     """
     with transaction.atomic():
-        worker = _lock_worker(worker_id)
+        worker = lock_worker(worker_id)
         if worker.drain_requested_at is None:
             now = timezone.now()
             Worker.objects.filter(pk=worker.pk).update(drain_requested_at=now)
@@ -282,8 +252,8 @@ def worker_drain(*, worker_id, actor):
                 details={"status": worker.status, "current_job": worker.current_job_id},
             )
         if worker.status != WorkerStatus.OFFLINE:
-            worker_transition(worker=worker, to=WorkerStatus.DRAINING, actor=actor, reason="drain requested")
-        events.publish_on_commit(worker.pk, events.DRAIN, current_job_id=worker.current_job_id)
+            workers_transition(workers=[worker], to=WorkerStatus.DRAINING, actor=actor, reason="drain requested")
+        events.publish_on_commit(worker.pk, protocol.DRAIN, current_job_id=worker.current_job_id)
     return worker
 
 
@@ -342,185 +312,6 @@ def worker_register_failed(*, reason, token_prefix, ip, name=""):
             details={"reason": reason, "token_prefix": token_prefix},
             success=False,
         )
-
-
-def worker_register(*, worker_id, data, actor):
-    """Record a (re)connecting agent's capabilities and reconcile the job it says it is running.
-
-    Return the register response: ``worker_id``, ``status`` and, when the agent reported a job,
-    ``resume_job`` (still its own and active) or ``abandon_job`` (anything else).
-    """
-    from job_queue import services as job_services
-
-    caps = parse_capabilities(data)
-    reported_job_id = data.get("current_job_id") or None
-    now = timezone.now()
-    with transaction.atomic():
-        worker = _lock_worker(worker_id)
-        assigned = job_services.lock_job(worker.current_job_id) if worker.current_job_id else None
-        response = {"worker_id": worker.pk}
-        resume = None
-        if reported_job_id:
-            reported_job_id = str(reported_job_id)
-            if assigned is not None and assigned.pk == reported_job_id and job_services.job_is_live(assigned):
-                resume = assigned
-                response["resume_job"] = job_services.job_resume_payload(assigned)
-            else:
-                response["abandon_job"] = reported_job_id
-        if assigned is not None and resume is None:
-            # The agent came back without the job we gave it: that attempt is over.
-            job_services.job_release_from_worker(
-                job=assigned, worker=worker, actor=actor, reason="worker re-registered without its job"
-            )
-        worker_transition(
-            worker=worker,
-            to=worker_resting_status(worker, busy=resume is not None),
-            actor=actor,
-            reason="registered",
-            last_heartbeat=now,
-            connected_at=now,
-            current_job=resume,
-            **caps,
-        )
-        audit_record(
-            actor=actor,
-            action=actions.WORKER_REGISTERED,
-            target_type="worker",
-            target_id=worker.pk,
-            details={
-                "gpu_count": caps["gpu_count"],
-                "gpu_name": caps["gpu_name"],
-                "accelerator_type": caps["accelerator_type"],
-                "reported_job": reported_job_id,
-                "resumed": resume is not None,
-                "agent_persistent": data.get("persistent"),
-            },
-        )
-        if worker.status == WorkerStatus.IDLE:
-            job_services.dispatch_on_commit(worker_id=worker.pk)
-    response["status"] = worker.status
-    response["worker_type"] = worker.worker_type
-    response["draining"] = worker.drain_requested_at is not None
-    return response
-
-
-HEARTBEAT_METRIC_FIELDS = (
-    "gpu_utilization",
-    "gpu_memory_used_gb",
-    "gpu_memory_total_gb",
-    "gpus",
-    "cpu_percent",
-    "memory_percent",
-    "memory_used_gb",
-    "load_average",
-)
-
-
-def worker_heartbeat(*, worker_id, data, actor):
-    """Record liveness (and utilisation/progress if sent); return the worker's view of its state.
-
-    Raise StaleReport if the agent names a job that is no longer its own; only that refusal's audit
-    row is written then. A heartbeat never takes a worker out of draining; an offline worker that
-    heartbeats comes back.
-    """
-    reported_job_id = data.get("current_job_id") or None
-    now = timezone.now()
-    with transaction.atomic():
-        worker = _lock_worker(worker_id)
-        refused = bool(reported_job_id) and str(reported_job_id) != worker.current_job_id
-        if refused:
-            # Audited and committed before raising: this refusal is what makes a returning agent stop its copy.
-            audit_record(
-                actor=actor,
-                action=actions.JOB_REPORT_REFUSED,
-                target_type="job",
-                target_id=str(reported_job_id),
-                details={"reported": "heartbeat", "reason": "job_not_owned", "worker": worker.pk},
-                success=False,
-            )
-        else:
-            _record_heartbeat(worker=worker, data=data, reported_job_id=reported_job_id, now=now, actor=actor)
-    if refused:
-        raise StaleReport(
-            f"job {reported_job_id} is not assigned to worker {worker.name}; stop it",
-            code="job_not_owned",
-            extra={"abandon_job": str(reported_job_id)},
-        )
-    return {
-        "status": worker.status,
-        "draining": worker.drain_requested_at is not None,
-        "current_job_id": worker.current_job_id,
-    }
-
-
-def _record_heartbeat(*, worker, data, reported_job_id, now, actor):
-    """Write a heartbeat of the locked ``worker``: liveness, metrics, progress, and any state it implies."""
-    from job_queue import services as job_services
-
-    metrics = {k: data[k] for k in HEARTBEAT_METRIC_FIELDS if k in data}
-    fields = {"last_heartbeat": now}
-    if metrics:
-        fields["metrics"] = metrics
-    if worker.status == WorkerStatus.OFFLINE:
-        worker_transition(
-            worker=worker,
-            to=worker_resting_status(worker, busy=worker.current_job_id is not None),
-            actor=actor,
-            reason="heartbeat after being offline",
-            **fields,
-        )
-        if worker.status == WorkerStatus.IDLE:
-            job_services.dispatch_on_commit(worker_id=worker.pk)
-    else:
-        Worker.objects.filter(pk=worker.pk).update(**fields)
-    if reported_job_id and data.get("progress") is not None:
-        job_services.job_record_progress(job_id=worker.current_job_id, worker=worker, data=data)
-    elif not reported_job_id and worker.current_job_id:
-        # The agent runs nothing: a cancelled job it held is over, so the worker is free again.
-        job_services.job_reconcile_idle_agent(worker=worker, actor=actor)
-
-
-def worker_disconnect(*, worker_id, actor, reason="agent disconnected"):
-    """Take the worker offline; a job it held goes back to the queue by the retry rules.
-
-    A worker that never registered stays ``connecting``: there is no session to end.
-    """
-    from job_queue import services as job_services
-
-    with transaction.atomic():
-        worker = _lock_worker(worker_id)
-        if worker.current_job_id:
-            job = job_services.lock_job(worker.current_job_id)
-            if job is not None:
-                job_services.job_release_from_worker(job=job, worker=worker, actor=actor, reason=reason)
-        if worker.status not in (WorkerStatus.OFFLINE, WorkerStatus.CONNECTING):
-            worker_transition(worker=worker, to=WorkerStatus.OFFLINE, actor=actor, reason=reason, current_job=None)
-        elif worker.current_job_id:
-            Worker.objects.filter(pk=worker.pk).update(current_job=None)
-        audit_record(
-            actor=actor,
-            action=actions.WORKER_DISCONNECTED,
-            target_type="worker",
-            target_id=worker.pk,
-            details={"reason": reason, "worker_type": worker.worker_type},
-        )
-    return {"status": worker.status}
-
-
-def worker_stream_opened(*, worker_id, stream_id, replaying):
-    """Mark the worker's stream open; hand it work: re-send an unacknowledged dispatch, or dispatch anew.
-
-    ``replaying`` is True when the agent resumes with Last-Event-ID (the library replays what it missed).
-    """
-    from job_queue import services as job_services
-
-    with transaction.atomic():
-        worker = _lock_worker(worker_id)
-        Worker.objects.filter(pk=worker.pk).update(stream_id=stream_id, stream_opened_at=timezone.now())
-        if worker.current_job_id and not replaying:
-            job_services.job_redeliver_on_commit(job_id=worker.current_job_id, worker_id=worker.pk)
-        if worker.status == WorkerStatus.IDLE:
-            job_services.dispatch_on_commit(worker_id=worker.pk)
 
 
 def worker_stream_closed(*, worker_id, stream_id):

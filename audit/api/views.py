@@ -5,8 +5,8 @@ from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import permissions, serializers
 from rest_framework.generics import ListAPIView
 
-from simpletuner_site.api import error_responses
-from simpletuner_site.errors import InvalidInput
+from common.http import error_responses
+from common.errors import InvalidInput
 
 from ..models import AuditEvent
 

@@ -123,7 +123,7 @@ def test_the_filters_read_no_table_to_offer_their_choices(admin_client, django_a
 def test_an_unfiltered_large_trail_on_postgresql_is_counted_by_estimate(postgres_url, monkeypatch, django_assert_num_queries):
     from django.db import connection
 
-    from simpletuner_site import admin_site as audit_admin
+    from common import admin_kit as audit_admin
 
     assert connection.vendor == "postgresql"  # the test database follows DATABASE_URL
     AuditEventFactory.create_batch(5)

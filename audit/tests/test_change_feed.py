@@ -8,14 +8,14 @@ from django.db import transaction
 from django.http import StreamingHttpResponse
 from django.utils import timezone
 
-from audit.events import CHANGES, MAX_TARGETS
+from realtime.operator_feed import CHANGES, MAX_TARGETS
 from audit.services import Actor
 from job_queue.models import JobStatus
 from job_queue.services import job_cancel, job_submit
 from job_queue.tests.factories import JobFactory, job_on_worker
 from workers.models import Worker, WorkerStatus
 from workers.services import api_token_create, worker_drain
-from workers.sweeps import sweep_stale_workers
+from job_queue.sweeps import sweep_stale_workers
 from workers.tests.factories import UserFactory, WorkerFactory
 from workers.tests.support import admin_url
 
@@ -263,7 +263,7 @@ def test_a_staff_user_who_may_not_follow_the_feed_gets_no_live_meta(client):
 def test_with_redis_the_feed_is_published_in_the_background_and_merged(monkeypatch):
     import threading
 
-    from audit import events as feed
+    from realtime import operator_feed as feed
     from django_eventstream import eventstream
 
     monkeypatch.setattr(eventstream, "redis_client", object())  # as when EVENTSTREAM_REDIS is configured

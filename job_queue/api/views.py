@@ -6,8 +6,9 @@ from rest_framework.generics import ListAPIView
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from simpletuner_site.api import error_responses, request_actor
-from simpletuner_site.errors import InvalidInput, NotFound
+from audit.services import Actor
+from common.http import error_responses
+from common.errors import InvalidInput, NotFound
 
 from .. import services
 from ..models import Job, JobStatus
@@ -24,7 +25,7 @@ class JobSubmitView(APIView):
     def post(self, request):
         serializer = JobSubmitSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        job, dispatched = services.job_submit(**serializer.validated_data, actor=request_actor(request))
+        job, dispatched = services.job_submit(**serializer.validated_data, actor=Actor.for_request(request))
         return _submitted(job, dispatched)
 
 
@@ -85,7 +86,7 @@ class JobCancelView(APIView):
         responses={200: JobSerializer, **error_responses(401, 403, 404, 409)},
     )
     def post(self, request, job_id):
-        job = services.job_cancel(job_id=job_id, actor=request_actor(request))
+        job = services.job_cancel(job_id=job_id, actor=Actor.for_request(request))
         return Response(JobSerializer(job).data)
 
 
@@ -97,5 +98,5 @@ class JobRetryView(APIView):
         responses={201: JobSubmittedSerializer, **error_responses(401, 403, 404, 409)},
     )
     def post(self, request, job_id):
-        job, dispatched = services.job_retry(job_id=job_id, actor=request_actor(request))
+        job, dispatched = services.job_retry(job_id=job_id, actor=Actor.for_request(request))
         return _submitted(job, dispatched)

@@ -10,13 +10,14 @@ from django.db import connection
 
 from audit import actions
 from audit.services import Actor
-from job_queue import services as job_services
+from job_queue import agents, reports
 from job_queue.models import Job, JobAttempt, JobStatus
-from job_queue.services import dispatch_for_job, dispatch_for_worker, dispatch_pending, job_report
+from job_queue.dispatch import dispatch_for_job, dispatch_for_worker, dispatch_pending
+from job_queue.reports import job_report
 from job_queue.tests.factories import JobFactory, job_on_worker
 from workers import services as worker_services
 from workers.models import Worker, WorkerStatus
-from workers.services import worker_heartbeat
+from job_queue.agents import worker_heartbeat
 from workers.tests.factories import WorkerFactory
 from workers.tests.support import audit_rows, sent_events
 
@@ -128,7 +129,7 @@ def hold_worker_lock_until_another_waits(monkeypatch):
     """
     holding = threading.Event()
     holders = []
-    real_lock_worker = worker_services._lock_worker
+    real_lock_worker = worker_services.lock_worker
 
     def lock_worker_then_wait(worker_id):
         locked = real_lock_worker(worker_id)
@@ -140,7 +141,7 @@ def hold_worker_lock_until_another_waits(monkeypatch):
                 time.sleep(0.005)
         return locked
 
-    monkeypatch.setattr(worker_services, "_lock_worker", lock_worker_then_wait)
+    monkeypatch.setattr(agents, "lock_worker", lock_worker_then_wait)
     return (lambda: holders.append(threading.current_thread())), holding
 
 
@@ -184,11 +185,11 @@ def test_register_and_status_report_of_one_worker_do_not_deadlock(postgres_url, 
 
     def register():
         enlist()
-        return worker_services.worker_register(worker_id=worker.pk, data={"current_job_id": job.pk}, actor=actor)
+        return agents.worker_register(worker_id=worker.pk, data={"current_job_id": job.pk}, actor=actor)
 
     def report():
         assert register_holds_worker.wait(DEADLINE_S)
-        return job_services.job_report(
+        return reports.job_report(
             worker_id=worker.pk, job_id=job.pk, data={"status": "running", "progress": 0.5}, actor=actor
         )
 

@@ -8,7 +8,8 @@ from django.utils import timezone
 from audit import actions
 from audit.services import Actor
 from job_queue.models import JobAttempt, JobStatus, JobTarget
-from job_queue.services import dispatch_for_job, dispatch_for_worker, dispatch_pending, job_submit
+from job_queue.dispatch import dispatch_for_job, dispatch_for_worker, dispatch_pending
+from job_queue.services import job_submit
 from job_queue.tests.factories import JobFactory, job_on_worker
 from workers.models import Worker, WorkerStatus, WorkerType
 from workers.tests.factories import UserFactory, WorkerFactory

@@ -12,11 +12,11 @@ from django.utils import timezone
 from audit import actions
 from audit.services import Actor
 from job_queue.models import AttemptOutcome, Job, JobAttempt, JobStatus
-from job_queue.services import job_report
+from job_queue.reports import job_report
 from job_queue.sweeps import sweep_unacknowledged_dispatches
 from job_queue.tests.factories import job_on_worker
 from job_queue.tests.test_concurrency import DEADLINE_S, run_concurrently
-from simpletuner_site.errors import StaleReport
+from common.errors import StaleReport
 from workers.models import Token, Worker, WorkerStatus, WorkerType
 from workers.sweeps import sweep_offline_ephemeral_workers
 from workers.tests.factories import WorkerFactory, worker_token
@@ -158,7 +158,7 @@ def test_cleanup_skips_a_worker_whose_row_a_request_holds(postgres_url):
 
 
 def test_heartbeat_sweep_leaves_a_worker_whose_job_is_held_elsewhere_for_the_next_run(postgres_url):
-    from workers.sweeps import sweep_stale_workers
+    from job_queue.sweeps import sweep_stale_workers
 
     silent = timezone.now() - timedelta(seconds=600)
     held_worker, free_worker = WorkerFactory(last_heartbeat=silent), WorkerFactory(last_heartbeat=silent)

@@ -1,4 +1,4 @@
-"""job_transition enforces JOB_TRANSITIONS over every (from, to) pair, and audits each change."""
+"""jobs_transition enforces JOB_TRANSITIONS over every (from, to) pair, and audits each change."""
 
 import itertools
 
@@ -7,9 +7,9 @@ import pytest
 from audit import actions
 from audit.services import Actor
 from job_queue.models import JOB_TERMINAL, JOB_TRANSITIONS, Job, JobStatus
-from job_queue.services import job_transition
+from job_queue.transitions import jobs_transition
 from job_queue.tests.factories import JobFactory
-from simpletuner_site.errors import InvalidTransition
+from common.errors import InvalidTransition
 from workers.tests.support import audit_rows
 
 pytestmark = pytest.mark.django_db
@@ -32,7 +32,7 @@ def test_forbidden_transition_raises_and_changes_nothing(before, after):
     job = JobFactory(status=before, last_error="original")
 
     with pytest.raises(InvalidTransition):
-        job_transition(job=job, to=after, actor=ACTOR, last_error="changed")
+        jobs_transition(jobs=[job], to=after, actor=ACTOR, last_error="changed")
 
     stored = Job.objects.get(pk=job.pk)
     assert (stored.status, stored.last_error) == (before, "original")
@@ -43,7 +43,7 @@ def test_forbidden_transition_raises_and_changes_nothing(before, after):
 def test_allowed_transition_writes_status_fields_and_one_audit_row(before, after):
     job = JobFactory(status=before, last_error="original", attempt_count=2)
 
-    job_transition(job=job, to=after, actor=ACTOR, reason="because", last_error="changed")
+    jobs_transition(jobs=[job], to=after, actor=ACTOR, reason="because", last_error="changed")
 
     stored = Job.objects.get(pk=job.pk)
     assert (stored.status, stored.last_error) == (after, "changed")
@@ -58,7 +58,7 @@ def test_transition_from_a_stale_copy_is_refused():
     Job.objects.filter(pk=job.pk).update(status=JobStatus.CANCELLED)
 
     with pytest.raises(InvalidTransition):
-        job_transition(job=job, to=JobStatus.DISPATCHED, actor=ACTOR)
+        jobs_transition(jobs=[job], to=JobStatus.DISPATCHED, actor=ACTOR)
 
     assert Job.objects.get(pk=job.pk).status == JobStatus.CANCELLED
     assert audit_rows() == []

@@ -4,7 +4,7 @@ import pytest
 
 from audit import actions
 from job_queue.models import AttemptOutcome, JobAttempt, JobStatus
-from job_queue.services import dispatch_for_job
+from job_queue.dispatch import dispatch_for_job
 from job_queue.tests.factories import JobFactory, job_on_worker
 from workers.models import WorkerStatus, WorkerType
 from workers.tests.factories import WorkerFactory

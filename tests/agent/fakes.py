@@ -4,6 +4,7 @@ import json
 
 import requests
 
+from worker_agent import protocol
 from worker_agent.client import Refused
 
 
@@ -89,7 +90,7 @@ class FakeClient:
         return [c[0] for c in self.calls]
 
 
-def refused(job_id, code="job_not_owned"):
+def refused(job_id, code=protocol.JOB_NOT_OWNED):
     return Refused(f"job {job_id} is not yours", code=code, abandon_job=job_id)
 
 

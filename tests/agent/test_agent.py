@@ -1,14 +1,18 @@
 """The agent's decisions, driven message by message with a fake orchestrator, clock, monitor and job."""
 
+import json
 import logging
 import signal
 from pathlib import Path
 
 import pytest
 
-from worker_agent.agent import EPHEMERAL_GIVE_UP_S, Agent
+from worker_agent import protocol
+from worker_agent.agent import Agent
 from worker_agent.cli import AgentConfig
 from worker_agent.client import FatalError, TransientError
+from worker_agent.runner import STOP_ABANDON, STOP_AGENT_EXIT, STOP_CANCEL
+from worker_agent.session import EPHEMERAL_GIVE_UP_S
 from worker_agent.sse import Event
 
 from .fakes import FakeClient, FakeMonitor, FakeRun, refused
@@ -73,7 +77,7 @@ def pump(agent):
 def submit(agent, job_id="j_1", attempt="a_1", **extra):
     payload = {"type": "job_submit", "job_id": job_id, "attempt": attempt, "config": {"x": 1}, "dataloader": None,
                "upload_endpoint": f"/api/workers/job/{job_id}/status", **extra}
-    agent.on_event(Event("job_submit", __import__("json").dumps(payload), "worker-w_1:1"))
+    agent.on_event(Event("job_submit", json.dumps(payload), "worker-w_1:1"))
     return FakeRun.instances[-1] if FakeRun.instances else None
 
 
@@ -97,6 +101,17 @@ def test_heartbeat_carries_status_and_metrics():
     body = agent.client.calls[-1][1]
     assert body["status"] == "idle" and body["current_job_id"] is None
     assert body["cpu_percent"] == 12.5 and body["gpu_utilization"] == [90, 80]
+
+
+def test_heartbeat_takes_only_the_protocols_metric_fields_from_the_monitor():
+    agent = registered()
+    run = submit(agent)
+    run.emit(step=3)
+    agent.monitor.sample = lambda: {"cpu_percent": 5.0, "status": "idle", "current_job_id": None, "progress": 0, "fan": 1}
+    agent.clock.now = agent.next_heartbeat
+    agent.tick()
+    body = [c for c in agent.client.calls if c[0] == "heartbeat"][-1][1]
+    assert body == {"status": "busy", "current_job_id": "j_1", "progress": {"step": 3}, "cpu_percent": 5.0}
 
 
 def test_env_heartbeat_interval_wins_over_the_orchestrators():
@@ -165,7 +180,7 @@ def test_job_acknowledged_then_started_then_completed():
 
 def test_refused_acknowledgement_never_starts_the_process():
     agent = registered()
-    agent.client.script("report:starting", refused("j_1", "stale_attempt"))
+    agent.client.script("report:starting", refused("j_1", protocol.STALE_ATTEMPT))
     submit(agent)
     assert FakeRun.instances == []
     assert agent.job is None
@@ -236,7 +251,7 @@ def test_cancel_stops_the_job_and_reports_cancelled():
     agent = registered()
     run = submit(agent)
     agent.on_event(Event("job_cancel", '{"type": "job_cancel", "job_id": "j_1", "attempt": "a_1"}'))
-    assert run.stop_reason == "cancel" and run.signals == ["TERM"]
+    assert run.stop_reason == STOP_CANCEL and run.signals == ["TERM"]
     run.exit(-15)
     pump(agent)
     _, status, body = agent.client.reports()[-1]
@@ -274,7 +289,7 @@ def test_stale_heartbeat_abandons_the_job_without_reporting_it():
     agent.client.script("heartbeat", refused("j_1"))
     agent.clock.now = agent.next_heartbeat
     agent.tick()
-    assert run.stop_reason == "abandon"
+    assert run.stop_reason == STOP_ABANDON
     run.exit(-15)
     pump(agent)
     assert [s for _, s, _ in agent.client.reports("j_1")] == ["starting", "running"]
@@ -284,11 +299,11 @@ def test_stale_heartbeat_abandons_the_job_without_reporting_it():
 def test_refused_progress_report_abandons():
     agent = registered()
     run = submit(agent)
-    agent.client.script("report:running", refused("j_1", "stale_attempt"))
+    agent.client.script("report:running", refused("j_1", protocol.STALE_ATTEMPT))
     run.emit(step=1)
     agent.clock.now += 2
     agent.tick()
-    assert run.stop_reason == "abandon"
+    assert run.stop_reason == STOP_ABANDON
 
 
 def test_duplicate_and_replayed_dispatches_are_ignored():
@@ -334,7 +349,7 @@ def test_abandon_job_on_register_stops_it_silently():
     agent.handle(("stream_lost", "connection lost", 120.0))
     agent.client.script("register", {"worker_id": "w_1", "abandon_job": "j_1"})
     agent.tick()
-    assert run.stop_reason == "abandon"
+    assert run.stop_reason == STOP_ABANDON
     run.exit(-15)
     pump(agent)
     assert [s for _, s, _ in agent.client.reports("j_1")] == ["starting", "running"]
@@ -409,7 +424,7 @@ def test_second_signal_stops_the_job_now_and_disconnects_to_hand_it_back():
     run = submit(agent)
     agent.handle(("signal", signal.SIGTERM))
     agent.handle(("signal", signal.SIGINT))
-    assert run.stop_reason == "shutdown"
+    assert run.stop_reason == STOP_AGENT_EXIT
     run.exit(-15)
     pump(agent)
     assert [s for _, s, _ in agent.client.reports("j_1")] == ["starting", "running"]
@@ -420,11 +435,11 @@ def test_second_signal_stops_the_job_now_and_disconnects_to_hand_it_back():
 def test_report_refused_because_the_job_was_cancelled_stops_and_reports_it_cancelled():
     agent = registered()
     run = submit(agent)
-    agent.client.script("report:running", refused("j_1", "job_cancelled"))
+    agent.client.script("report:running", refused("j_1", protocol.JOB_CANCELLED))
     run.emit(step=1)
     agent.clock.now += 2
     agent.tick()
-    assert run.stop_reason == "cancel"
+    assert run.stop_reason == STOP_CANCEL
     agent.on_event(Event("job_cancel", '{"type": "job_cancel", "job_id": "j_1"}'))  # the event too: no second stop
     assert run.signals == ["TERM"]
     run.exit(143)
@@ -447,12 +462,46 @@ def test_idle_signal_disconnects_and_exits_zero():
     assert agent.client.names()[-1] == "disconnect" and agent.exit_code == 0
 
 
-def test_shutdown_event_for_a_rotated_token_is_fatal_with_the_fix(caplog):
-    agent = registered()
+def shut_down(agent, caplog, **payload):
+    """Deliver a shutdown event with ``payload``; return the one error line the agent logged."""
     with caplog.at_level(logging.ERROR):
-        agent.on_event(Event("shutdown", '{"type": "shutdown", "reason": "token rotated"}'))
+        agent.on_event(Event(protocol.SHUTDOWN, json.dumps({"type": protocol.SHUTDOWN, **payload})))
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    return line
+
+
+def test_shutdown_for_a_revoked_token_is_fatal_with_the_new_token_fix(caplog):
+    agent = registered()
+    line = shut_down(agent, caplog, reason="token rotated", code=protocol.TOKEN_REVOKED)
+    assert agent.exit_code == 1 and "disconnect" not in agent.client.names()
+    assert line.startswith("the orchestrator closed this worker's stream: token rotated. Fix: ")
+    assert "request a new token" in line and "rotate token" in line and "deleted" not in line
+
+
+def test_shutdown_for_a_deleted_worker_is_fatal_with_the_new_worker_fix(caplog):
+    agent = registered()
+    # the reason's words do not decide: only the code does
+    line = shut_down(agent, caplog, reason="its token no longer works", code=protocol.WORKER_DELETED)
+    assert agent.exit_code == 1 and "disconnect" not in agent.client.names()
+    assert line.startswith("the orchestrator closed this worker's stream: its token no longer works. Fix: ")
+    assert "was deleted" in line and "create a new one" in line and "rotate token" not in line
+
+
+@pytest.mark.parametrize("code", [None, "", "something_new", ["token_revoked"]])
+def test_shutdown_without_a_known_code_shows_only_the_reason(caplog, code):
+    agent = registered()
+    payload = {"reason": "token revoked, worker deleted"}  # the words the agent once guessed from
+    if code is not None:
+        payload["code"] = code
+    line = shut_down(agent, caplog, **payload)
     assert agent.exit_code == 1
-    assert "token rotated" in caplog.text and "new token" in caplog.text
+    assert line == "the orchestrator closed this worker's stream: token revoked, worker deleted"
+
+
+def test_shutdown_without_a_reason_says_so(caplog):
+    agent = registered()
+    line = shut_down(agent, caplog)
+    assert agent.exit_code == 1 and line == "the orchestrator closed this worker's stream: no reason given"
 
 
 def test_fatal_error_from_the_stream_exits():

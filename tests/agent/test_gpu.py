@@ -195,7 +195,7 @@ def test_two_gpus_sample_reports_each_gpu_and_the_host():
     assert sample["memory_used_gb"] == 12.25
     assert len(sample["load_average"]) == 3 and all(isinstance(v, float) for v in sample["load_average"])
     # exactly the metrics the orchestrator stores from a heartbeat (the contract between the two)
-    from workers.services import HEARTBEAT_METRIC_FIELDS
+    from worker_agent.protocol import HEARTBEAT_METRIC_FIELDS
 
     assert set(sample) == set(HEARTBEAT_METRIC_FIELDS)
 

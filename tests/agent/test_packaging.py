@@ -49,6 +49,7 @@ def test_wheel_depends_on_requests_psutil_and_pynvml_only(wheel):
     assert sorted(r.split(">=")[0] for r in requires) == ["nvidia-ml-py", "psutil", "requests"]
     packages = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
     assert packages == {"worker_agent"}
+    assert "worker_agent/protocol.py" in names  # the wire contract ships with the agent
     assert "simpletuner = worker_agent.cli:simpletuner_main" in entry_points
 
 
@@ -108,7 +109,7 @@ def test_agent_runs_where_django_is_not_installed(agent_only_python):
     imported = _run(
         agent_only_python,
         "-c",
-        "import sys, worker_agent.agent, worker_agent.example_trainer; "
+        "import sys, worker_agent.agent, worker_agent.example_trainer, worker_agent.protocol; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('django', 'rest_framework')))",
     )
     assert imported.returncode == 0, imported.stderr

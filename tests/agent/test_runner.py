@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from worker_agent.runner import DEFAULT_COMMAND, JobRun, describe_exit, parse_command
+from worker_agent.runner import DEFAULT_COMMAND, STOP_AGENT_EXIT, STOP_CANCEL, JobRun, describe_exit, parse_command
 
 
 def make_run(tmp_path, script, *, config=None, dataloader=None, grace=5.0):
@@ -111,9 +111,9 @@ def test_stop_terminates_the_whole_process_group(tmp_path):
     run.start()
     wait_until(lambda: run.last_line().startswith("child "))
     child_pid = int(run.last_line().split()[1])
-    run.stop("cancel")
+    run.stop(STOP_CANCEL)
     assert done.wait(10)
-    assert run.stop_reason == "cancel" and run.returncode == -signal.SIGTERM
+    assert run.stop_reason == STOP_CANCEL and run.returncode == -signal.SIGTERM
     wait_until(lambda: not _alive(child_pid))
 
 
@@ -131,7 +131,7 @@ def test_sigkill_after_the_grace_period(tmp_path):
     run.start()
     wait_until(lambda: run.last_line() == "ignoring SIGTERM")
     started = time.monotonic()
-    run.stop("shutdown")
+    run.stop(STOP_AGENT_EXIT)
     assert done.wait(10)
     assert run.returncode == -signal.SIGKILL
     assert time.monotonic() - started < 5
@@ -149,7 +149,7 @@ def test_a_trainer_that_handles_sigterm_exits_its_own_way(tmp_path):
     )
     run.start()
     wait_until(lambda: run.last_line() == "ready")
-    run.stop("cancel")
+    run.stop(STOP_CANCEL)
     assert done.wait(10)
     assert run.returncode == 143 and run.last_line() == "checkpoint saved"
 

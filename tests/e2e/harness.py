@@ -19,7 +19,7 @@ from urllib.parse import urlsplit, urlunsplit
 import psutil
 import requests
 
-from worker_agent.agent import socket_of
+from worker_agent.session import socket_of
 from worker_agent.runner import parent_death_signal
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -215,7 +215,7 @@ class Orchestrator:
     def _server_argv(self, port):
         if self.via_cli:
             return [
-                sys.executable, "-m", "simpletuner_site.cli", "server",
+                sys.executable, "-m", "simpletuner_cli", "server",
                 "--host", "127.0.0.1", "--port", str(port), "--no-local-worker", "--no-migrate",
             ]  # fmt: skip
         return [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), ASGI_APPLICATION]

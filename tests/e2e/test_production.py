@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.postgres]
 # redis-py (8.x) gives up reconnecting a pub/sub connection after 10 tries spaced at most ~5.3 s in all:
 # django-eventstream's own Redis listener is dead by then. The outage outlasts that.
 OUTAGE_S = 7
-# Our listener tries again at most every 10 s (workers.events.RESUBSCRIBE_CAP_S); then every stream catches up.
+# Our listener tries again at most every 10 s (realtime.redis.RESUBSCRIBE_CAP_S); then every stream catches up.
 RECOVERY_DEADLINE_S = 15
 # A request that publishes while Redis is down must not wait on it for long.
 REQUEST_DURING_OUTAGE_S = 3
@@ -162,7 +162,7 @@ def test_two_servers_serve_one_fleet(request, stack, fleet):
         rotated = expect(b.admin("POST", f"/api/admin/workers/{worker.id}/token"), 200)
         assert rotated["token"] != worker.token
         assert stream.wait_closed() == "server closed the stream"
-        assert [e.json() for e in stream.received("shutdown")] == [{"type": "shutdown", "reason": "token rotated"}]
+        assert [e.json() for e in stream.received("shutdown")] == [{"type": "shutdown", "reason": "token rotated", "code": "token_revoked"}]
         expect(a.as_worker(worker.token, "POST", "/api/workers/heartbeat", json={"worker_id": worker.id}), 401)
 
 
@@ -206,7 +206,7 @@ def test_open_streams_survive_a_redis_restart(request, stack, fleet):
         # What was published while Redis was down arrives too: the dispatch, and the revocation.
         early_event = job_event(streams["early"], early["job_id"], timeout=RECOVERY_DEADLINE_S)
         shutdown = streams["rotated"].wait_for("shutdown", timeout=RECOVERY_DEADLINE_S)
-        assert shutdown.json() == {"type": "shutdown", "reason": "token revoked"}
+        assert shutdown.json() == {"type": "shutdown", "reason": "token revoked", "code": "token_revoked"}
         assert streams["rotated"].wait_closed() == "server closed the stream"
         assert not streams["rotated"].received("job_submit")
 

@@ -160,7 +160,7 @@ def test_token_rotation_closes_stream_and_refuses_old_token(orchestrator, fleet)
     assert stream.wait_closed() == "server closed the stream"
     assert not stream.received("job_submit")
     # The stream ends with a typed event the agent understands, not the library's untyped error.
-    assert [e.json() for e in stream.received("shutdown")] == [{"type": "shutdown", "reason": "token rotated"}]
+    assert [e.json() for e in stream.received("shutdown")] == [{"type": "shutdown", "reason": "token rotated", "code": "token_revoked"}]
     assert not stream.received("stream-error")
 
     for method, path, body in (

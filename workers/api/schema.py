@@ -2,9 +2,7 @@
 
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 
-from ..authentication import WORKER_TOKEN_HEADER
-
-STREAM_PATH = "/api/workers/stream"
+from worker_agent import protocol
 ERROR_REF = {"$ref": "#/components/schemas/Error"}
 
 
@@ -28,7 +26,7 @@ class WorkerTokenScheme(OpenApiAuthenticationExtension):
         return {
             "type": "apiKey",
             "in": "header",
-            "name": WORKER_TOKEN_HEADER,
+            "name": protocol.WORKER_TOKEN_HEADER,
             "description": "A worker's token: `X-Worker-Token: wt_...` (shown once, at creation or rotation).",
         }
 
@@ -39,7 +37,7 @@ def _error(description):
 
 def add_worker_stream_path(result, generator, request, public):
     """Postprocessing hook: document GET /api/workers/stream, an async Django view the generator cannot see."""
-    result.setdefault("paths", {})[STREAM_PATH] = {
+    result.setdefault("paths", {})[protocol.STREAM_PATH] = {
         "get": {
             "operationId": "workers_stream",
             "tags": ["workers"],

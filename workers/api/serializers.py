@@ -2,6 +2,8 @@
 
 from rest_framework import serializers
 
+from worker_agent import protocol
+
 from ..models import Worker, WorkerType
 
 
@@ -75,6 +77,7 @@ class RegisterSerializer(serializers.Serializer):
     accelerator_type = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=32)
     persistent = serializers.BooleanField(required=False, allow_null=True)
     current_job_id = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=64)
+    current_attempt = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=40)
     hostname = serializers.CharField(required=False, allow_blank=True, max_length=255)
     agent_version = serializers.CharField(required=False, allow_blank=True, max_length=64)
     gpus = serializers.ListField(child=serializers.DictField(), required=False)
@@ -86,6 +89,7 @@ class HeartbeatSerializer(serializers.Serializer):
     worker_id = serializers.CharField(required=False, allow_null=True)
     status = serializers.CharField(required=False, allow_null=True, max_length=32)
     current_job_id = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=64)
+    attempt = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=40)
     progress = serializers.JSONField(required=False, allow_null=True)
     log_tail = serializers.JSONField(required=False, allow_null=True)
     gpu_utilization = serializers.JSONField(required=False, allow_null=True)
@@ -98,8 +102,12 @@ class HeartbeatSerializer(serializers.Serializer):
     load_average = serializers.JSONField(required=False, allow_null=True)
 
 
+# Every utilisation field of the protocol is declared (with its type) above.
+assert set(protocol.HEARTBEAT_METRIC_FIELDS) <= set(HeartbeatSerializer._declared_fields)
+
+
 class JobStatusReportSerializer(serializers.Serializer):
-    status = serializers.ChoiceField(choices=["starting", "training", "running", "completed", "failed", "cancelled"])
+    status = serializers.ChoiceField(choices=protocol.REPORTED_STATUSES)
     error = serializers.CharField(required=False, allow_null=True, allow_blank=True)
     progress = serializers.JSONField(required=False, allow_null=True)
     attempt = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=40)
@@ -128,6 +136,9 @@ class RegisterResponseSerializer(serializers.Serializer):
     draining = serializers.BooleanField()
     sse_url = serializers.URLField(help_text="Open this URL (GET, same token) to receive jobs.")
     heartbeat_interval = serializers.FloatField(help_text="Seconds between heartbeats.")
+    dispatch_ack_timeout = serializers.FloatField(
+        help_text="Seconds a dispatch may go unacknowledged (no `starting`, and no heartbeat, register or report naming it) before it is requeued."
+    )
     resume_job = ResumeJobSerializer(required=False, help_text="The reported job is still this worker's: go on.")
     abandon_job = serializers.CharField(required=False, help_text="The reported job is no longer this worker's.")
 

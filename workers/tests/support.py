@@ -18,7 +18,7 @@ from django_eventstream.models import Event
 from rest_framework.test import APIClient
 
 from audit.models import AuditEvent
-from workers.events import worker_channel
+from realtime.publish import worker_channel
 
 from .factories import UserFactory, api_token, worker_token
 
@@ -29,15 +29,15 @@ ON_COMMIT_ERROR_LOGGERS = ("django.test", "django.db.backends.base")
 @pytest.fixture
 def control_messages(monkeypatch):
     """Control messages (stream revocations) sent on commit, as ``(channel, type, data)``."""
-    from workers import events
+    from realtime import publish
 
     sent = []
 
     def capture(channel, kind, data):
-        if channel.startswith(events.CONTROL_PREFIX):
+        if channel.startswith(publish.CONTROL_PREFIX):
             sent.append((channel, kind, data))
 
-    monkeypatch.setattr(events, "send_event", capture)
+    monkeypatch.setattr(publish, "send_event", capture)
     return sent
 
 
@@ -45,9 +45,10 @@ def control_messages(monkeypatch):
 def operator_changes(monkeypatch):
     """The ``changes`` events published on the operators' change feed on commit, as their data dicts."""
     from audit import events as audit_events
+    from realtime import operator_feed
 
     sent = []
-    monkeypatch.setattr(audit_events, "publish", sent.append)
+    monkeypatch.setattr(operator_feed, "publish", sent.append)
     # Targets of earlier tests' rolled-back transactions wait in this thread for the next event; drop them.
     audit_events._pending.targets = set()
     return sent

@@ -11,7 +11,7 @@ from django.utils import timezone
 from audit import actions
 from job_queue.models import Job, JobStatus
 from job_queue.tests.factories import JobFactory, job_on_worker
-from simpletuner_site import admin_site, humanize
+from common import admin_kit, humanize
 from workers.admin import LabelFilter
 from workers.models import TokenKind, Worker, WorkerStatus, WorkerType
 from workers.services import token_authenticate
@@ -59,7 +59,7 @@ def authenticates(token):
 def test_the_list_shows_status_gpus_labels_current_job_and_heartbeat_age(admin_client, monkeypatch):
     now = timezone.now()
     frozen = SimpleNamespace(now=lambda: now, localtime=timezone.localtime)
-    monkeypatch.setattr(admin_site, "timezone", frozen)
+    monkeypatch.setattr(admin_kit, "timezone", frozen)
     monkeypatch.setattr(humanize, "timezone", frozen)
     busy = WorkerFactory(
         name="alpha", gpu_count=2, gpu_name="A100", gpu_vram_gb=80, labels={"gpu": "a100", "zone": "eu"},
@@ -362,7 +362,7 @@ def test_rotate_shows_a_new_token_once_and_the_old_one_stops_working(admin_clien
     (row,) = audit_rows(actions.WORKER_TOKEN_ROTATED, target_id=worker.pk)
     assert (row.actor_type, row.actor_name, row.details["revoked_tokens"]) == ("user", "admin", 1)
     assert control_messages == [
-        (f"_control:worker-{worker.pk}", "revoke", {"tokens": [f"token:{old_token_id}"], "reason": "token rotated"})
+        (f"_control:worker-{worker.pk}", "revoke", {"tokens": [f"token:{old_token_id}"], "reason": "token rotated", "code": "token_revoked"})
     ]
     assert new not in admin_client.get(admin_url(worker)).content.decode()
 

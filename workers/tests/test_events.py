@@ -7,7 +7,8 @@ from audit.services import Actor
 from job_queue.models import JobStatus
 from job_queue.services import job_cancel, job_submit
 from job_queue.tests.factories import JobFactory, job_on_worker
-from simpletuner_site.errors import Conflict
+from common.errors import Conflict
+from worker_agent import protocol
 from workers import events
 from workers.models import Worker, WorkerStatus
 from workers.services import worker_drain
@@ -24,7 +25,7 @@ class Boom(Exception):
 @pytest.mark.django_db
 def test_publish_on_commit_stores_the_event_on_the_worker_channel_with_its_type(commit):
     with commit():
-        events.publish_on_commit("w_abc", events.SHUTDOWN, reason="maintenance")
+        events.publish_on_commit("w_abc", protocol.SHUTDOWN, reason="maintenance")
 
     assert sent_events() == [
         {"channel": "worker-w_abc", "type": "shutdown", "data": {"type": "shutdown", "reason": "maintenance"}}

@@ -5,8 +5,8 @@ from django.utils import timezone
 
 from audit import actions
 from audit.services import Actor
-from simpletuner_site.errors import Conflict, InvalidInput
-from workers import events
+from common.errors import Conflict, InvalidInput
+from realtime import publish
 from workers.models import Token, TokenKind, Worker, WorkerStatus, WorkerType
 from workers.services import token_authenticate, worker_provision_local, worker_rotate_token
 from workers.tests.factories import WorkerFactory, worker_token
@@ -79,8 +79,8 @@ def test_an_unusable_token_is_replaced_and_the_old_ones_revoked(commit, control_
     assert row.details == {"name": NAME, "created": False, "revoked_tokens": revoked_now, "token_prefix": issued[:10]}
     if revoked_now:
         [(channel, kind, data)] = control_messages
-        assert (channel, kind) == (events.CONTROL_PREFIX + events.worker_channel(worker.pk), events.REVOKE)
-        assert data["tokens"] == [events.stream_principal_id(pk) for pk in old_ids]
+        assert (channel, kind) == (publish.CONTROL_PREFIX + publish.worker_channel(worker.pk), publish.REVOKE)
+        assert data["tokens"] == [publish.stream_principal_id(pk) for pk in old_ids]
     else:
         assert control_messages == []
 

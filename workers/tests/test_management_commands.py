@@ -16,7 +16,7 @@ from django.utils import timezone
 from audit import actions
 from audit.models import ActorType
 from job_queue.tests.factories import job_on_worker
-from simpletuner_site.humanize import ago
+from common.humanize import ago
 from workers.models import TokenKind, Worker, WorkerStatus, WorkerType
 from workers.services import token_authenticate
 

@@ -6,7 +6,7 @@ from audit import actions
 from audit.services import Actor
 from job_queue.models import JobAttempt, JobStatus
 from job_queue.tests.factories import JobFactory, job_on_worker
-from simpletuner_site.errors import Conflict, InvalidInput, NotFound
+from common.errors import Conflict, InvalidInput, NotFound
 from workers.models import Worker, WorkerStatus, WorkerType
 from workers.services import (
     parse_capabilities,
@@ -15,8 +15,8 @@ from workers.services import (
     worker_drain,
     worker_rotate_token,
     worker_stream_closed,
-    worker_stream_opened,
 )
+from job_queue.agents import worker_stream_opened
 from workers.tests.factories import WorkerFactory
 from workers.tests.support import audit_rows, sent_events
 

@@ -11,9 +11,11 @@ from audit import actions
 from audit.models import AuditEvent
 from job_queue.models import AttemptOutcome, Job, JobStatus
 from job_queue.tests.factories import JobFactory, job_on_worker
-from workers import events, tasks
+from realtime import publish
+from workers import tasks
 from workers.models import Token, Worker, WorkerStatus, WorkerType
-from workers.sweeps import sweep_offline_ephemeral_workers, sweep_stale_workers
+from job_queue.sweeps import sweep_stale_workers
+from workers.sweeps import sweep_offline_ephemeral_workers
 
 from .factories import WorkerFactory, worker_token
 from .support import audit_rows
@@ -173,8 +175,8 @@ def test_a_stream_still_believed_open_is_closed_on_commit(commit, control_messag
     assert sent == [
         (
             f"_control:worker-{with_stream.pk}",
-            events.REVOKE,
-            {"tokens": [events.stream_principal_id(token_id)], "reason": "worker deleted"},
+            publish.REVOKE,
+            {"tokens": [publish.stream_principal_id(token_id)], "reason": "worker deleted", "code": "worker_deleted"},
         )
     ]
 

@@ -1,4 +1,4 @@
-"""worker_transition enforces WORKER_TRANSITIONS over every (from, to) pair, and audits each change."""
+"""workers_transition enforces WORKER_TRANSITIONS over every (from, to) pair, and audits each change."""
 
 import itertools
 
@@ -6,9 +6,9 @@ import pytest
 
 from audit import actions
 from audit.services import Actor
-from simpletuner_site.errors import InvalidTransition
+from common.errors import InvalidTransition
 from workers.models import WORKER_TRANSITIONS, Worker, WorkerStatus
-from workers.services import worker_transition
+from workers.transitions import workers_transition
 from workers.tests.factories import WorkerFactory
 from workers.tests.support import audit_rows
 
@@ -31,7 +31,7 @@ def test_forbidden_transition_raises_and_changes_nothing(before, after):
     changed_at = Worker.objects.get(pk=worker.pk).status_changed_at
 
     with pytest.raises(InvalidTransition):
-        worker_transition(worker=worker, to=after, actor=ACTOR, gpu_name="changed")
+        workers_transition(workers=[worker], to=after, actor=ACTOR, gpu_name="changed")
 
     stored = Worker.objects.get(pk=worker.pk)
     assert (stored.status, stored.gpu_name, stored.status_changed_at) == (before, "original", changed_at)
@@ -42,7 +42,7 @@ def test_forbidden_transition_raises_and_changes_nothing(before, after):
 def test_allowed_transition_writes_status_fields_and_one_audit_row_when_status_changes(before, after):
     worker = WorkerFactory(status=before, gpu_name="original")
 
-    returned = worker_transition(worker=worker, to=after, actor=ACTOR, reason="because", gpu_name="changed")
+    (returned,) = workers_transition(workers=[worker], to=after, actor=ACTOR, reason="because", gpu_name="changed")
 
     stored = Worker.objects.get(pk=worker.pk)
     assert (stored.status, stored.gpu_name) == (after, "changed")
@@ -63,7 +63,7 @@ def test_transition_from_a_stale_copy_is_refused():
     Worker.objects.filter(pk=worker.pk).update(status=WorkerStatus.OFFLINE)
 
     with pytest.raises(InvalidTransition):
-        worker_transition(worker=worker, to=WorkerStatus.BUSY, actor=ACTOR)
+        workers_transition(workers=[worker], to=WorkerStatus.BUSY, actor=ACTOR)
 
     assert Worker.objects.get(pk=worker.pk).status == WorkerStatus.OFFLINE
     assert audit_rows() == []

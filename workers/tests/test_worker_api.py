@@ -194,15 +194,22 @@ def test_register_with_its_live_job_resumes_it(worker_client, commit, job_status
     with commit():
         response = worker_client(worker).post(REGISTER, {**UPSTREAM_BODY, "current_job_id": job.pk})
 
+    # Naming the job acknowledges its dispatch: a dispatched job is running from here on.
     body = response.json()
-    assert body["resume_job"] == {"job_id": job.pk, "status": job_status, "attempt": job.lease_id, "attempt_number": 1}
+    assert body["resume_job"] == {"job_id": job.pk, "status": JobStatus.RUNNING, "attempt": job.lease_id, "attempt_number": 1}
     assert "abandon_job" not in body
     assert body["status"] == "busy"
     worker = _reload(worker)
     assert (worker.status, worker.current_job_id) == (WorkerStatus.BUSY, job.pk)
     stored = _reload(job)
-    assert (stored.status, stored.lease_id, stored.retry_count) == (job_status, job.lease_id, 0)
-    assert JobAttempt.objects.get(lease_id=job.lease_id).outcome == AttemptOutcome.PENDING
+    assert (stored.status, stored.lease_id, stored.retry_count) == (JobStatus.RUNNING, job.lease_id, 0)
+    attempt = JobAttempt.objects.get(lease_id=job.lease_id)
+    assert attempt.outcome == AttemptOutcome.PENDING
+    if job_status == JobStatus.DISPATCHED:
+        assert attempt.started_at is not None
+    acks = [r.details for r in audit_rows(actions.JOB_STATUS_CHANGED, target_id=job.pk)]
+    expected = [{"from": "dispatched", "to": "running", "reason": "re-registered naming the job", "attempt": 1, "worker": worker.pk}]
+    assert acks == (expected if job_status == JobStatus.DISPATCHED else [])
     assert sent_events() == []
     assert audit_rows(actions.WORKER_REGISTERED)[0].details["resumed"] is True
 

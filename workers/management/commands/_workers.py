@@ -6,7 +6,7 @@ from django.core.management.base import CommandError
 from django.db.models import Q
 
 from audit.services import Actor
-from simpletuner_site.errors import ServiceError
+from common.errors import ServiceError
 from workers.models import Worker
 
 

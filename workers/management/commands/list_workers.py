@@ -3,7 +3,7 @@
 from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
-from simpletuner_site.humanize import ago
+from common.humanize import ago
 from workers.models import Worker, WorkerStatus
 
 COLUMNS = ("ID", "NAME", "TYPE", "STATUS", "GPUS", "LABELS", "JOB", "HEARTBEAT")

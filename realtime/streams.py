@@ -15,29 +15,34 @@ from django_eventstream.eventstream import get_current_event_id
 from django_eventstream.utils import parse_last_event_id, sse_encode_event
 from django_eventstream.views import Listener, stream
 
-from simpletuner_site.api import client_ip, error_response
+from common.http import error_response
+from common.remote import client_ip
+from job_queue.agents import worker_stream_opened
+from worker_agent import protocol
+from workers import services
+from workers.models import TokenKind
 
-from .. import events, services
-from ..authentication import WORKER_TOKEN_HEADER
-from ..events import StreamPrincipal, in_db_thread, worker_channel
-from ..models import TokenKind
+from .db import in_db_thread
+from .listeners import StreamPrincipal
+from .publish import worker_channel
 
 logger = logging.getLogger(__name__)
 
 
-_STREAM_RESET = re.compile(r"(event: stream-reset\n(?:id: [^\n]*\n)?data: )\{")
+_STREAM_RESET = re.compile(r"(event: " + re.escape(protocol.STREAM_RESET) + r"\n(?:id: [^\n]*\n)?data: )\{")
 
 
 def typed_stream_reset(chunk):
     """Give the library's ``stream-reset`` event (unknown Last-Event-ID) a ``type`` like every other event."""
-    if "event: stream-reset" not in chunk:
+    if f"event: {protocol.STREAM_RESET}" not in chunk:
         return chunk
-    return _STREAM_RESET.sub(r'\1{"type": "stream-reset", ', chunk)
+    return _STREAM_RESET.sub(r'\1{"type": "' + protocol.STREAM_RESET + '", ', chunk)
 
 
-def sse_shutdown(reason):
-    """Return the SSE text of a ``shutdown`` event telling the agent why its stream ends."""
-    return sse_encode_event(events.SHUTDOWN, {"type": events.SHUTDOWN, "reason": reason}, json_encode=True)
+def sse_shutdown(reason, code):
+    """Return the SSE text of a ``shutdown`` event telling the agent why its stream ends (``code`` for machines)."""
+    event: protocol.ShutdownEvent = {"type": protocol.SHUTDOWN, "reason": reason, "code": code}
+    return sse_encode_event(protocol.SHUTDOWN, event, json_encode=True)
 
 
 @in_db_thread
@@ -50,7 +55,7 @@ def _open(secret, claimed_worker_id, stream_id, replaying, ip):
     if claimed_worker_id and claimed_worker_id != worker.pk:
         return None, None, f"this token belongs to worker {worker.pk}, not {claimed_worker_id}"
     current = get_current_event_id([worker_channel(worker.pk)])
-    services.worker_stream_opened(worker_id=worker.pk, stream_id=stream_id, replaying=replaying)
+    worker_stream_opened(worker_id=worker.pk, stream_id=stream_id, replaying=replaying)
     return token, current, None
 
 
@@ -60,12 +65,12 @@ def _close(worker_id, stream_id):
 
 
 async def worker_stream(request):
-    """GET /api/workers/stream: the calling worker's dispatch feed (401 without its valid token)."""
+    """GET protocol.STREAM_PATH: the calling worker's dispatch feed (401 without its valid token)."""
     if request.method != "GET":
         return error_response("method_not_allowed", "use GET", 405)
-    secret = request.headers.get(WORKER_TOKEN_HEADER)
+    secret = request.headers.get(protocol.WORKER_TOKEN_HEADER)
     if not secret:
-        return error_response("not_authenticated", f"{WORKER_TOKEN_HEADER} header is required", 401)
+        return error_response("not_authenticated", f"{protocol.WORKER_TOKEN_HEADER} header is required", 401)
     last_event_id = request.headers.get("Last-Event-ID") or request.GET.get("lastEventId")
     stream_id = uuid.uuid4().hex
     token, current_id, refusal = await _open(
@@ -100,7 +105,7 @@ async def worker_stream(request):
                 if principal.revoked:
                     # The library ends a revoked stream with an untyped `stream-error`; agents read
                     # only typed data, so say it as a `shutdown` they understand, then close.
-                    yield sse_shutdown(principal.revoked_reason)
+                    yield sse_shutdown(principal.revoked_reason, principal.revoked_code)
                     return
                 yield typed_stream_reset(chunk)
         finally:

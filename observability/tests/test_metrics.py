@@ -13,11 +13,10 @@ from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
 from job_queue.models import Job, JobStatus
-from job_queue.services import dispatch_for_job
-from job_queue.sweeps import sweep_unacknowledged_dispatches
+from job_queue.dispatch import dispatch_for_job
+from job_queue.sweeps import sweep_stale_workers, sweep_unacknowledged_dispatches
 from job_queue.tests.factories import JobAttemptFactory, JobFactory, job_on_worker
 from workers.models import Worker, WorkerStatus, WorkerType
-from workers.sweeps import sweep_stale_workers
 from workers.tests.factories import UserFactory, WorkerFactory
 
 pytestmark = pytest.mark.django_db
@@ -333,11 +332,12 @@ def test_nothing_is_counted_before_commit(scrape, django_capture_on_commit_callb
 COUNTING_PROCESS = """
 import datetime, django
 django.setup()
-from simpletuner_site import metrics
-metrics.requeued_on_commit({requeued}, retry_spent=True)
-metrics.retries_exhausted_on_commit(1)
+from common import outbox
+from job_queue import events
+outbox.emit(events.REQUEUED, count={requeued}, retry_spent=True)
+outbox.emit(events.RETRIES_EXHAUSTED, count=1)
 t = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
-metrics.acknowledged_on_commit(dispatched_at=t, started_at=t + datetime.timedelta(seconds=0.2))
+outbox.emit(events.ACKNOWLEDGED, dispatched_at=t, started_at=t + datetime.timedelta(seconds=0.2))
 """
 
 

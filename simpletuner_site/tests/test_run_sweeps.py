@@ -11,10 +11,10 @@ from django.utils import timezone
 
 from job_queue.models import Job, JobAttempt, JobStatus
 from job_queue.tests.factories import job_on_worker
-from workers.management.commands import run_sweeps
+from simpletuner_site.management.commands import run_sweeps
 from workers.models import Worker, WorkerStatus, WorkerType
 
-from .factories import WorkerFactory
+from workers.tests.factories import WorkerFactory
 
 LONG_AGO = timedelta(hours=2)
 
@@ -38,12 +38,12 @@ def test_once_runs_every_sweep_and_prints_what_each_did():
 
     lines = out.splitlines()
     assert [line.split(":")[0] for line in lines] == [
-        "workers.sweep_stale_workers",
+        "queue.sweep_stale_workers",
         "queue.sweep_unacknowledged_dispatches",
         "workers.sweep_offline_ephemeral_workers",
         "queue.dispatch_pending",
     ]
-    assert lines[0].startswith("workers.sweep_stale_workers: workers=1 requeued=0 failed=0 (")
+    assert lines[0].startswith("queue.sweep_stale_workers: workers=1 requeued=0 failed=0 (")
     assert lines[1].startswith("queue.sweep_unacknowledged_dispatches: jobs=1 workers_freed=1 (")
     assert lines[2].startswith("workers.sweep_offline_ephemeral_workers: workers=1 (")
     # dispatch_pending finds the job requeued just before (sweeps commit as they go) and the freed worker.

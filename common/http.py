@@ -1,4 +1,4 @@
-"""API plumbing shared by every app: the error format (and its OpenAPI shape), the client's address and actor."""
+"""API plumbing shared by every app: the error format (and its OpenAPI shape) and the client's address."""
 
 from django.http import JsonResponse
 from drf_spectacular.utils import OpenApiResponse
@@ -72,15 +72,3 @@ def not_found(request, exception=None):
     from django.views.defaults import page_not_found
 
     return page_not_found(request, exception)
-
-
-def client_ip(request):
-    """Return the peer address of ``request`` (REMOTE_ADDR; put a proxy's X-Forwarded-For handling here)."""
-    return request.META.get("REMOTE_ADDR") or None
-
-
-def request_actor(request):
-    """Return the audit actor for the signed-in operator making ``request`` (API or admin), with their address."""
-    from audit.services import Actor
-
-    return Actor.for_user(request.user, client_ip(request))

@@ -17,8 +17,14 @@ from django_eventstream import views as es_views
 from django_eventstream.storage import DjangoModelStorage
 from django_eventstream.views import Listener, stream
 
+from realtime import listeners, publish
+from realtime import redis as realtime_redis
+from realtime.db import in_db_thread
+from realtime.listeners import StreamPrincipal, WorkerListenerManager
+from realtime.publish import worker_channel
+from realtime.redis import RedisEventListener
+from worker_agent import protocol
 from workers import events
-from workers.events import RedisEventListener, StreamPrincipal, WorkerListenerManager, worker_channel
 from workers.models import Token, TokenKind
 from workers.services import token_issue
 from workers.tests.factories import WorkerFactory
@@ -110,7 +116,7 @@ def refused():
 
 
 def test_listener_resubscribes_after_losing_redis_and_relays_again(caplog):
-    caplog.set_level(logging.INFO, logger="workers.events")
+    caplog.set_level(logging.INFO, logger="realtime.redis")
     manager = FakeManager()
     script = Script(
         (
@@ -132,7 +138,7 @@ def test_listener_resubscribes_after_losing_redis_and_relays_again(caplog):
     assert sleeps == [0.5, 1.0, 2.0]
     # Streams catch up after every subscription; tokens are re-checked only after a loss.
     assert manager.resyncs == [False, True]
-    messages = [r.getMessage() for r in caplog.records if r.name == "workers.events"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "realtime.redis"]
     assert messages == [
         "Redis event listener lost: Connection closed by server.; reconnecting in 0.5 s",
         "Redis event listener lost: Error 111 connecting to 127.0.0.1:6390. Connection refused.; reconnecting in 1.0 s",
@@ -265,10 +271,11 @@ def test_streams_of_tokens_revoked_while_redis_was_down_are_closed():
     assert manager.close_revoked_streams() == 2
 
     assert (kept_stream.principal.revoked, kept_stream.overflow) == (False, False)
-    for closed in (rotated_stream, deleted_stream):
-        assert (closed.principal.revoked, closed.principal.revoked_reason, closed.loop.woken) == (
+    for closed, reason, code in ((rotated_stream, "token revoked", "token_revoked"), (deleted_stream, "worker deleted", "worker_deleted")):
+        assert (closed.principal.revoked, closed.principal.revoked_reason, closed.principal.revoked_code, closed.loop.woken) == (
             True,
-            "token revoked",
+            reason,
+            code,
             1,
         )
 
@@ -331,7 +338,7 @@ def test_a_stream_that_missed_the_push_delivers_the_stored_event_after_catch_up(
         waiting = asyncio.ensure_future(anext(chunks))
         await asyncio.sleep(0.05)
         # Stored while Redis was down: the publish failed, so no process pushed it.
-        await events.in_db_thread(storage.append_event)(channel, "job_submit", json.dumps({"job_id": "j1"}))
+        await in_db_thread(storage.append_event)(channel, "job_submit", json.dumps({"job_id": "j1"}))
         await asyncio.sleep(0.05)
         assert not waiting.done()
 
@@ -361,23 +368,23 @@ def closed_port():
 @override_settings(EVENTSTREAM_REDIS={"host": "127.0.0.1", "port": 6379, "db": 0})
 def test_install_replaces_the_librarys_publish_client_with_a_bounded_one(monkeypatch):
     monkeypatch.setattr(es_eventstream, "redis_client", object())
-    monkeypatch.setattr(events, "_publish_client", None)
+    monkeypatch.setattr(listeners, "_publish_client", None)
 
-    events.install_listener_manager()
+    listeners.install_listener_manager()
     client = es_eventstream.redis_client
-    events.install_listener_manager()
+    listeners.install_listener_manager()
 
     assert es_eventstream.redis_client is client  # idempotent
     kwargs = client.connection_pool.connection_kwargs
-    assert kwargs["socket_connect_timeout"] == events.REDIS_CONNECT_TIMEOUT_S
-    assert kwargs["retry"].get_retries() == events.REDIS_PUBLISH_RETRIES
+    assert kwargs["socket_connect_timeout"] == realtime_redis.REDIS_CONNECT_TIMEOUT_S
+    assert kwargs["retry"].get_retries() == realtime_redis.REDIS_PUBLISH_RETRIES
 
 
 @pytest.fixture
 def redis_down(monkeypatch):
     """The library publishes through our bounded client to a port where nothing listens."""
     with override_settings(EVENTSTREAM_REDIS={"host": "127.0.0.1", "port": closed_port(), "db": 0}):
-        monkeypatch.setattr(es_eventstream, "redis_client", events.redis_publish_client())
+        monkeypatch.setattr(es_eventstream, "redis_client", realtime_redis.redis_publish_client())
 
 
 @pytest.mark.django_db
@@ -387,7 +394,7 @@ def test_a_dispatch_made_while_redis_is_down_is_committed_and_stored_and_the_req
     from audit.services import Actor
     from job_queue.services import job_submit
 
-    from .support import sent_events
+    from workers.tests.support import sent_events
 
     worker = WorkerFactory()
     started = time.monotonic()
@@ -398,7 +405,7 @@ def test_a_dispatch_made_while_redis_is_down_is_committed_and_stored_and_the_req
 
     assert dispatched and job.worker_id == worker.pk
     assert [e["data"]["job_id"] for e in sent_events(worker.pk)] == [job.pk]
-    warnings = [r.getMessage().split(" (")[0] for r in caplog.records if r.name == "workers.events"]
+    warnings = [r.getMessage().split(" (")[0] for r in caplog.records if r.name == "realtime.publish"]
     assert warnings == [f"job_submit on worker-{worker.pk} not pushed, Redis is unreachable"]
     assert elapsed < 2, f"a dispatch waited {elapsed:.1f}s on a Redis that is down"
 
@@ -409,7 +416,7 @@ def test_a_revocation_made_while_redis_is_down_is_logged_and_the_request_goes_on
         caplog.set_level(logging.WARNING)
         events.revoke_streams_on_commit("w_1", [5], "token rotated")
 
-    assert [r.getMessage().split(" (")[0] for r in caplog.records if r.name == "workers.events"] == [
+    assert [r.getMessage().split(" (")[0] for r in caplog.records if r.name == "realtime.publish"] == [
         "revoke on _control:worker-w_1 not pushed, Redis is unreachable"
     ]
 
@@ -419,7 +426,7 @@ def test_a_database_failure_while_sending_is_still_an_error(monkeypatch, commit)
     def broken(*args, **kwargs):
         raise RuntimeError("storage is down")
 
-    monkeypatch.setattr(events, "send_event", broken)
+    monkeypatch.setattr(publish, "send_event", broken)
 
     with pytest.raises(AssertionError, match="storage is down"), commit():
-        events.publish_on_commit("w_1", events.DRAIN)
+        events.publish_on_commit("w_1", protocol.DRAIN)

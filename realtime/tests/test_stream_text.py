@@ -2,7 +2,7 @@
 
 import json
 
-from workers.api.stream import sse_shutdown, typed_stream_reset
+from realtime.streams import sse_shutdown, typed_stream_reset
 
 
 def _data(text):
@@ -21,7 +21,7 @@ def test_other_chunks_pass_through_unchanged():
     assert typed_stream_reset(chunk) is chunk
 
 
-def test_shutdown_event_names_the_reason():
-    text = sse_shutdown("token rotated")
+def test_shutdown_event_names_the_reason_and_its_code():
+    text = sse_shutdown("token rotated", "token_revoked")
     assert text.startswith("event: shutdown\n")
-    assert _data(text) == {"type": "shutdown", "reason": "token rotated"}
+    assert _data(text) == {"type": "shutdown", "reason": "token rotated", "code": "token_revoked"}

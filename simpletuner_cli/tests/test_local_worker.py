@@ -12,8 +12,8 @@ import threading
 import psutil
 import pytest
 
-from simpletuner_site import local_worker as lw
-from simpletuner_site.errors import Conflict
+from common.errors import Conflict
+from simpletuner_cli import local_worker as lw
 from tests.e2e.harness import REPO_ROOT, poll
 from workers.models import Token, TokenKind, Worker, WorkerType
 from workers.services import token_authenticate
@@ -330,7 +330,7 @@ def test_a_provisioning_failure_at_start_is_reported_and_retried(make_worker):
 SUPERVISOR = """
 import sys, time
 from pathlib import Path
-from simpletuner_site.local_worker import LocalWorker
+from simpletuner_cli.local_worker import LocalWorker
 
 agent = "import os, time\\nprint(os.getpid(), flush=True)\\nwhile True: time.sleep(0.05)"
 worker = LocalWorker(

@@ -6,7 +6,8 @@ Two kinds of metric, so that the figures are right however many processes serve 
   job) is read from the database by ``DatabaseCollector`` at scrape time, in a fixed handful of
   aggregate queries: the same answer from whichever process is scraped.
 - Events (queue wait and dispatch latency histograms, requeues, retries exhausted) are counted in the
-  process where they happen, only once their transaction has committed (``*_on_commit``). With
+  process where they happen, only once their transaction has committed (the job queue's outbox
+  events, ``job_queue.events``). With
   ``PROMETHEUS_MULTIPROC_DIR`` set, every process on the host writes them to files there and a scrape
   of any one process sums them all (prometheus_client's multiprocess mode); without it, each process
   reports its own.
@@ -17,7 +18,6 @@ import threading
 from datetime import timedelta
 
 from django.conf import settings
-from django.db import transaction
 from django.db.models import Count, Min, OuterRef, Q, Subquery
 from django.db.models.functions import Coalesce
 from django.http import HttpResponse
@@ -32,6 +32,8 @@ from rest_framework.negotiation import BaseContentNegotiation
 from rest_framework.renderers import JSONRenderer
 from rest_framework.views import APIView
 
+from common import outbox
+from job_queue import events
 from job_queue.models import Job, JobAttempt, JobStatus
 from workers.models import WORKER_ONLINE, Worker, WorkerStatus, WorkerType
 from workers.services import heartbeat_interval
@@ -70,41 +72,46 @@ def _seconds_between(start, end):
     return max((end - start).total_seconds(), 0.0)
 
 
-def dispatched_on_commit(*, job, dispatched_at):
-    """Observe the queue wait of ``job``, just dispatched (``attempt_count`` already counts this dispatch), on commit.
+def on_dispatched(*, job_id, attempt_number, submitted_at, dispatched_at):
+    """Observe the queue wait of a job just dispatched (``job_queue.events.DISPATCHED``).
 
     The wait runs from submission for a first attempt, else from the end of the previous attempt.
     """
-    queued_since = job.submitted_at
-    if job.attempt_count > 1:
+    queued_since = submitted_at
+    if attempt_number > 1:
         queued_since = (
-            JobAttempt.objects.filter(job_id=job.pk, number=job.attempt_count - 1)
+            JobAttempt.objects.filter(job_id=job_id, number=attempt_number - 1)
             .order_by("pk")  # not the model's ordering, which joins queue_job
             .values_list("finished_at", flat=True)
             .first()
         )
     if queued_since is not None:
-        wait = _seconds_between(queued_since, dispatched_at)
-        transaction.on_commit(lambda: QUEUE_WAIT.observe(wait), robust=True)
+        QUEUE_WAIT.observe(_seconds_between(queued_since, dispatched_at))
 
 
-def acknowledged_on_commit(*, dispatched_at, started_at):
-    """Observe the dispatch latency of a job its worker acknowledged at ``started_at``, on commit."""
-    latency = _seconds_between(dispatched_at, started_at)
-    transaction.on_commit(lambda: DISPATCH_LATENCY.observe(latency), robust=True)
+def on_acknowledged(*, dispatched_at, started_at):
+    """Observe the dispatch latency of a job its worker acknowledged (``job_queue.events.ACKNOWLEDGED``)."""
+    DISPATCH_LATENCY.observe(_seconds_between(dispatched_at, started_at))
 
 
-def requeued_on_commit(count=1, *, retry_spent):
-    """Count ``count`` jobs put back on the queue, on commit."""
+def on_requeued(*, count, retry_spent):
+    """Count jobs put back on the queue (``job_queue.events.REQUEUED``)."""
     if count:
-        child = REQUEUES.labels(retry_spent="true" if retry_spent else "false")
-        transaction.on_commit(lambda: child.inc(count), robust=True)
+        REQUEUES.labels(retry_spent="true" if retry_spent else "false").inc(count)
 
 
-def retries_exhausted_on_commit(count=1):
-    """Count ``count`` jobs failed for good with no retry left, on commit."""
+def on_retries_exhausted(*, count):
+    """Count jobs failed for good with no retry left (``job_queue.events.RETRIES_EXHAUSTED``)."""
     if count:
-        transaction.on_commit(lambda: RETRIES_EXHAUSTED.inc(count), robust=True)
+        RETRIES_EXHAUSTED.inc(count)
+
+
+def subscribe():
+    """Count the job queue's events from now on (called once, by the app's ``ready()``)."""
+    outbox.subscribe(events.DISPATCHED, on_dispatched)
+    outbox.subscribe(events.ACKNOWLEDGED, on_acknowledged)
+    outbox.subscribe(events.REQUEUED, on_requeued)
+    outbox.subscribe(events.RETRIES_EXHAUSTED, on_retries_exhausted)
 
 
 # --- state, read from the database at scrape time -----------------------------------------------

@@ -20,7 +20,9 @@ import pytest
 import requests
 from cryptography import x509
 
-from simpletuner_site import cli
+from simpletuner_cli import endpoints, serve, tls
+from simpletuner_cli.errors import CLIError
+from simpletuner_cli.main import build_parser, main
 from tests.e2e.harness import REPO_ROOT, free_port, poll
 
 START_DEADLINE_S = 60
@@ -30,7 +32,7 @@ FINGERPRINT = re.compile(r"SHA-256\s+((?:[0-9A-F]{2}:){31}[0-9A-F]{2})")
 
 # --- the server process -----------------------------------------------------------------------
 class ServerProcess:
-    """A `python -m simpletuner_site.cli server ...` subprocess with its output in a log file."""
+    """A `python -m simpletuner_cli server ...` subprocess with its output in a log file."""
 
     def __init__(self, args, *, data_dir, log_path, env=None):
         self.port = free_port()
@@ -45,7 +47,7 @@ class ServerProcess:
         env.update(SIMPLETUNER_DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1")
         with open(log_path, "wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "simpletuner_site.cli", "server", "--port", str(self.port), *args],
+                [sys.executable, "-m", "simpletuner_cli", "server", "--port", str(self.port), *args],
                 cwd=REPO_ROOT,
                 env=env,
                 stdout=log,
@@ -281,7 +283,7 @@ def test_certfile_without_keyfile_is_a_one_line_error(tmp_path):
     env = {**os.environ, "SIMPLETUNER_DATA_DIR": str(tmp_path / "data")}
 
     result = subprocess.run(
-        [sys.executable, "-m", "simpletuner_site.cli", "server", "--ssl-certfile", str(cert_path)],
+        [sys.executable, "-m", "simpletuner_cli", "server", "--ssl-certfile", str(cert_path)],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
@@ -309,7 +311,7 @@ def test_certfile_without_keyfile_is_a_one_line_error(tmp_path):
 )
 def test_bad_arguments_are_one_line_errors(capsys, argv, expected):
     with pytest.raises(SystemExit) as exited:
-        cli.main(argv)
+        main(argv)
 
     assert exited.value.code == 2
     err = capsys.readouterr().err
@@ -320,7 +322,7 @@ def test_bad_arguments_are_one_line_errors(capsys, argv, expected):
 def test_missing_cert_file_is_a_one_line_error(capsys, tmp_path):
     _, key_path = _write_pair(tmp_path, "localhost")
 
-    status = cli.main(["server", "--ssl-certfile", str(tmp_path / "nope.pem"), "--ssl-keyfile", str(key_path)])
+    status = main(["server", "--ssl-certfile", str(tmp_path / "nope.pem"), "--ssl-keyfile", str(key_path)])
 
     assert status == 2
     err = capsys.readouterr().err
@@ -331,7 +333,7 @@ def test_key_of_another_certificate_is_refused(capsys, tmp_path):
     cert_path, _ = _write_pair(tmp_path / "a", "localhost")
     _, other_key = _write_pair(tmp_path / "b", "localhost")
 
-    status = cli.main(["server", "--ssl-certfile", str(cert_path), "--ssl-keyfile", str(other_key)])
+    status = main(["server", "--ssl-certfile", str(cert_path), "--ssl-keyfile", str(other_key)])
 
     assert status == 2
     assert "is not the key of --ssl-certfile" in capsys.readouterr().err
@@ -350,7 +352,7 @@ def test_encrypted_key_is_refused(capsys, tmp_path):
         )
     )
 
-    status = cli.main(["server", "--ssl-certfile", str(cert_path), "--ssl-keyfile", str(key_path)])
+    status = main(["server", "--ssl-certfile", str(cert_path), "--ssl-keyfile", str(key_path)])
 
     assert status == 2
     assert "not an unencrypted PEM private key" in capsys.readouterr().err
@@ -358,12 +360,12 @@ def test_encrypted_key_is_refused(capsys, tmp_path):
 
 # --- the self-signed certificate --------------------------------------------------------------
 def _write_pair(directory, host):
-    cert_path, key_path, _ = cli.ensure_self_signed_cert(Path(directory) / "tls", host)
+    cert_path, key_path, _ = tls.ensure_self_signed_cert(Path(directory) / "tls", host)
     return cert_path, key_path
 
 
 def test_generated_certificate_names_this_machine_and_the_listen_address(tmp_path):
-    cert_path, key_path, created = cli.ensure_self_signed_cert(tmp_path / "tls", "10.1.2.3")
+    cert_path, key_path, created = tls.ensure_self_signed_cert(tmp_path / "tls", "10.1.2.3")
 
     assert created
     cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
@@ -381,7 +383,7 @@ def test_generated_certificate_names_this_machine_and_the_listen_address(tmp_pat
 
 
 def test_wildcard_listen_address_is_not_put_in_the_certificate(tmp_path):
-    cert_path, _, _ = cli.ensure_self_signed_cert(tmp_path / "tls", "0.0.0.0")
+    cert_path, _, _ = tls.ensure_self_signed_cert(tmp_path / "tls", "0.0.0.0")
 
     cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
     san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
@@ -389,21 +391,21 @@ def test_wildcard_listen_address_is_not_put_in_the_certificate(tmp_path):
 
 
 def test_existing_certificate_is_reused(tmp_path):
-    cert_path, _, _ = cli.ensure_self_signed_cert(tmp_path / "tls", "localhost")
+    cert_path, _, _ = tls.ensure_self_signed_cert(tmp_path / "tls", "localhost")
     before = cert_path.read_bytes()
 
-    again = cli.ensure_self_signed_cert(tmp_path / "tls", "10.9.9.9")
+    again = tls.ensure_self_signed_cert(tmp_path / "tls", "10.9.9.9")
 
     assert again == (cert_path, tmp_path / "tls" / "key.pem", False)
     assert cert_path.read_bytes() == before
 
 
 def test_half_a_pair_is_an_error_not_overwritten(tmp_path):
-    cert_path, key_path, _ = cli.ensure_self_signed_cert(tmp_path / "tls", "localhost")
+    cert_path, key_path, _ = tls.ensure_self_signed_cert(tmp_path / "tls", "localhost")
     key_path.unlink()
 
-    with pytest.raises(cli.CLIError, match="only one of cert.pem and key.pem"):
-        cli.ensure_self_signed_cert(tmp_path / "tls", "localhost")
+    with pytest.raises(CLIError, match="only one of cert.pem and key.pem"):
+        tls.ensure_self_signed_cert(tmp_path / "tls", "localhost")
     assert cert_path.exists() and not key_path.exists()
 
 
@@ -411,7 +413,7 @@ def test_fingerprint_is_colon_separated_sha256_of_der(tmp_path):
     cert_path, _ = _write_pair(tmp_path, "localhost")
     cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
 
-    fingerprint = cli.cert_fingerprint(cert)
+    fingerprint = tls.cert_fingerprint(cert)
 
     assert re.fullmatch(r"(?:[0-9A-F]{2}:){31}[0-9A-F]{2}", fingerprint)
     assert (
@@ -434,14 +436,14 @@ def test_fingerprint_is_colon_separated_sha256_of_der(tmp_path):
     ],
 )
 def test_endpoint_string_escapes_colons(host, kwargs, expected):
-    assert cli.endpoint_string(host, 8001, **kwargs) == expected
+    assert endpoints.endpoint_string(host, 8001, **kwargs) == expected
 
 
 def test_ipv6_host_in_brackets_is_accepted():
-    args = cli.build_parser().parse_args(["server", "--host", "[::1]"])
+    args = build_parser().parse_args(["server", "--host", "[::1]"])
 
     assert args.host == "::1"
-    assert cli.public_url("http", args.host, 8001) == "http://[::1]:8001"
+    assert endpoints.public_url("http", args.host, 8001) == "http://[::1]:8001"
 
 
 @pytest.mark.parametrize(
@@ -458,7 +460,7 @@ def test_ipv6_host_in_brackets_is_accepted():
     ],
 )
 def test_mask_url_hides_passwords(url, expected):
-    assert cli.mask_url(url) == expected
+    assert endpoints.mask_url(url) == expected
 
 
 def test_banner_never_shows_passwords():
@@ -469,7 +471,7 @@ def test_banner_never_shows_passwords():
         REDIS_URL="redis://:redis-s3cret@cache:6379/0",
     )
 
-    text = "\n".join(cli.banner_lines(settings=settings, url="https://h:8001", listen="0.0.0.0:8001"))
+    text = "\n".join(serve.banner_lines(settings=settings, url="https://h:8001", listen="0.0.0.0:8001"))
 
     assert "s3cret" not in text
     assert "postgresql postgres://app:****@db:5432/st" in text
@@ -488,8 +490,8 @@ def _banner_settings():
 
 def test_banner_names_the_local_worker_or_says_it_is_disabled():
     common = {"settings": _banner_settings(), "url": "http://h:8001", "listen": "h:8001"}
-    enabled = cli.banner_lines(**common, local_worker="local@h")
-    disabled = cli.banner_lines(**common)
+    enabled = serve.banner_lines(**common, local_worker="local@h")
+    disabled = serve.banner_lines(**common)
 
     assert "  Local worker local@h (jobs with target local/auto; --no-local-worker to disable)" in enabled
     assert "  Local worker disabled (--no-local-worker: jobs with target local wait)" in disabled
@@ -497,8 +499,8 @@ def test_banner_names_the_local_worker_or_says_it_is_disabled():
 
 # --- the built-in local worker ----------------------------------------------------------------
 def test_no_local_worker_flag_turns_it_off():
-    assert cli.build_parser().parse_args(["server"]).local_worker is True
-    assert cli.build_parser().parse_args(["server", "--no-local-worker"]).local_worker is False
+    assert build_parser().parse_args(["server"]).local_worker is True
+    assert build_parser().parse_args(["server", "--no-local-worker"]).local_worker is False
 
 
 @pytest.mark.parametrize(
@@ -515,7 +517,7 @@ def test_no_local_worker_flag_turns_it_off():
     ],
 )
 def test_loopback_host_reaches_the_listening_address(host, expected):
-    assert cli.loopback_host(host) == expected
+    assert endpoints.loopback_host(host) == expected
 
 
 @pytest.mark.parametrize(
@@ -523,7 +525,7 @@ def test_loopback_host_reaches_the_listening_address(host, expected):
     [("0.0.0.0", "http://127.0.0.1:8001"), ("::", "http://[::1]:8001"), ("10.1.2.3", "http://10.1.2.3:8001")],
 )
 def test_local_worker_uses_plain_http_without_tls(host, expected):
-    assert cli.local_worker_endpoint(host, 8001) == (expected, None)
+    assert endpoints.local_worker_endpoint(host, 8001) == (expected, None)
 
 
 @pytest.mark.parametrize(
@@ -536,10 +538,10 @@ def test_local_worker_uses_plain_http_without_tls(host, expected):
     ],
 )
 def test_local_worker_trusts_exactly_the_generated_certificate(tmp_path, host, expected):
-    cert_path, _, _ = cli.ensure_self_signed_cert(tmp_path / "tls", host)
+    cert_path, _, _ = tls.ensure_self_signed_cert(tmp_path / "tls", host)
     cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
 
-    assert cli.local_worker_endpoint(host, 8001, cert=cert, certfile=cert_path) == (expected, cert_path)
+    assert endpoints.local_worker_endpoint(host, 8001, cert=cert, certfile=cert_path) == (expected, cert_path)
 
 
 def _certificate(dns_names, *, ips=(), issuer=None):
@@ -585,7 +587,7 @@ def test_local_worker_dials_a_name_a_supplied_certificate_covers(host, cert_kwar
     cert = _certificate(**cert_kwargs)
     certfile = Path("/etc/orch/cert.pem")
 
-    url, ca_cert = cli.local_worker_endpoint(host, 8001, cert=cert, certfile=certfile)
+    url, ca_cert = endpoints.local_worker_endpoint(host, 8001, cert=cert, certfile=certfile)
 
     assert url == expected_url
     assert ca_cert == (certfile if trusts_file else None)
@@ -594,7 +596,7 @@ def test_local_worker_dials_a_name_a_supplied_certificate_covers(host, cert_kwar
 def test_worker_subcommand_runs_the_agent():
     from worker_agent import cli as agent_cli
 
-    args = cli.build_parser().parse_args(["worker", "--orchestrator-url", "http://h:8001", "--persistent"])
+    args = build_parser().parse_args(["worker", "--orchestrator-url", "http://h:8001", "--persistent"])
 
     assert args.handler is agent_cli.run
     assert (args.orchestrator_url, args.persistent) == ("http://h:8001", True)
@@ -610,7 +612,7 @@ def test_pyproject_pins_match_requirements_txt():
     }
 
     assert set(pyproject["dependencies"]) | set(pyproject["optional-dependencies"]["test"]) == requirements
-    assert pyproject["scripts"] == {"simpletuner": "simpletuner_site.cli:main"}
+    assert pyproject["scripts"] == {"simpletuner": "simpletuner_cli.main:main"}
 
 
 def test_celery_app_takes_its_configuration_from_django_settings(settings):

@@ -1,0 +1,229 @@
+"""The agent's side of the protocol: register, heartbeat, disconnect, stream opened, asking for work.
+
+Each reconciles the worker with the job it holds, so each lives above both apps: it locks the worker,
+then its job (the order every worker-side service locks in), and changes them only through
+``workers.transitions`` and ``job_queue.transitions``.
+"""
+
+from django.db import transaction
+from django.utils import timezone
+
+from audit import actions
+from audit.services import audit_record
+from common.errors import StaleReport
+from worker_agent import protocol
+from workers.models import Worker, WorkerStatus
+from workers.services import lock_worker, parse_capabilities
+from workers.transitions import worker_resting_status, workers_transition
+
+from .dispatch import (
+    dispatch_for_worker,
+    dispatch_on_commit,
+    job_redeliver_on_commit,
+    job_resume_payload,
+    redispatch_on_commit,
+    workers_free_and_offer,
+)
+from .models import JOB_ACTIVE, JobStatus
+from .reports import job_record_progress
+from .selectors import jobs_waiting_for
+from .services import lock_job
+from .transitions import jobs_acknowledge, jobs_release
+
+
+def worker_register(*, worker_id, data, actor):
+    """Record a (re)connecting agent's capabilities and reconcile the job it says it is running.
+
+    Return the register response: ``worker_id``, ``status`` and, when the agent reported a job,
+    ``resume_job`` (still its own and active) or ``abandon_job`` (anything else).
+    """
+    caps = parse_capabilities(data)
+    reported_job_id = data.get("current_job_id") or None
+    now = timezone.now()
+    with transaction.atomic():
+        worker = lock_worker(worker_id)
+        assigned = lock_job(worker.current_job_id) if worker.current_job_id else None
+        response = {"worker_id": worker.pk}
+        resume = None
+        if reported_job_id:
+            reported_job_id = str(reported_job_id)
+            if _names_current_attempt(assigned, reported_job_id, data.get("current_attempt")):
+                resume = assigned
+                jobs_acknowledge(jobs=[assigned], actor=actor, reason="re-registered naming the job", now=now)
+                response["resume_job"] = job_resume_payload(assigned)
+            else:
+                response["abandon_job"] = reported_job_id
+        if assigned is not None and resume is None:
+            # The agent came back without the job we gave it: that attempt is over.
+            _release_held_job(job=assigned, worker=worker, actor=actor, reason="worker re-registered without its job")
+        workers_transition(
+            workers=[worker],
+            to=worker_resting_status(worker, busy=resume is not None),
+            actor=actor,
+            reason="registered",
+            last_heartbeat=now,
+            connected_at=now,
+            current_job=resume,
+            **caps,
+        )
+        audit_record(
+            actor=actor,
+            action=actions.WORKER_REGISTERED,
+            target_type="worker",
+            target_id=worker.pk,
+            details={
+                "gpu_count": caps["gpu_count"],
+                "gpu_name": caps["gpu_name"],
+                "accelerator_type": caps["accelerator_type"],
+                "reported_job": reported_job_id,
+                "resumed": resume is not None,
+                "agent_persistent": data.get("persistent"),
+            },
+        )
+        if worker.status == WorkerStatus.IDLE:
+            dispatch_on_commit(worker_id=worker.pk)
+    response["status"] = worker.status
+    response["worker_type"] = worker.worker_type
+    response["draining"] = worker.drain_requested_at is not None
+    return response
+
+
+def worker_heartbeat(*, worker_id, data, actor):
+    """Record liveness (and utilisation/progress if sent); return the worker's view of its state.
+
+    Raise StaleReport if the agent names a job that is no longer its own; only that refusal's audit
+    row is written then. A heartbeat never takes a worker out of draining; an offline worker that
+    heartbeats comes back.
+    """
+    reported_job_id = data.get("current_job_id") or None
+    now = timezone.now()
+    with transaction.atomic():
+        worker = lock_worker(worker_id)
+        refused = bool(reported_job_id) and str(reported_job_id) != worker.current_job_id
+        if refused:
+            # Audited and committed before raising: this refusal is what makes a returning agent stop its copy.
+            audit_record(
+                actor=actor,
+                action=actions.JOB_REPORT_REFUSED,
+                target_type="job",
+                target_id=str(reported_job_id),
+                details={"reported": "heartbeat", "reason": protocol.JOB_NOT_OWNED, "worker": worker.pk},
+                success=False,
+            )
+        else:
+            _record_heartbeat(worker=worker, data=data, reported_job_id=reported_job_id, now=now, actor=actor)
+    if refused:
+        raise StaleReport(
+            f"job {reported_job_id} is not assigned to worker {worker.name}; stop it",
+            code=protocol.JOB_NOT_OWNED,
+            extra={"abandon_job": str(reported_job_id)},
+        )
+    return {
+        "status": worker.status,
+        "draining": worker.drain_requested_at is not None,
+        "current_job_id": worker.current_job_id,
+    }
+
+
+def _record_heartbeat(*, worker, data, reported_job_id, now, actor):
+    """Write a heartbeat of the locked ``worker``: liveness, metrics, progress, and any state it implies."""
+    metrics = {k: data[k] for k in protocol.HEARTBEAT_METRIC_FIELDS if k in data}
+    fields = {"last_heartbeat": now}
+    if metrics:
+        fields["metrics"] = metrics
+    if worker.status == WorkerStatus.OFFLINE:
+        workers_transition(
+            workers=[worker],
+            to=worker_resting_status(worker, busy=worker.current_job_id is not None),
+            actor=actor,
+            reason="heartbeat after being offline",
+            **fields,
+        )
+        if worker.status == WorkerStatus.IDLE:
+            dispatch_on_commit(worker_id=worker.pk)
+    else:
+        Worker.objects.filter(pk=worker.pk).update(**fields)
+    if reported_job_id:
+        job = lock_job(worker.current_job_id)
+        if _names_current_attempt(job, str(reported_job_id), data.get("attempt")):
+            jobs_acknowledge(jobs=[job], actor=actor, reason="heartbeat names the job", now=now)
+        if data.get("progress") is not None:
+            job_record_progress(job_id=worker.current_job_id, worker=worker, data=data)
+    elif worker.current_job_id:
+        # The agent runs nothing: a cancelled job it held is over, so the worker is free again.
+        job_reconcile_idle_agent(worker=worker, actor=actor)
+
+
+def worker_disconnect(*, worker_id, actor, reason="agent disconnected"):
+    """Take the worker offline; a job it held goes back to the queue by the retry rules.
+
+    A worker that never registered stays ``connecting``: there is no session to end.
+    """
+    with transaction.atomic():
+        worker = lock_worker(worker_id)
+        if worker.current_job_id:
+            job = lock_job(worker.current_job_id)
+            if job is not None:
+                _release_held_job(job=job, worker=worker, actor=actor, reason=reason)
+        if worker.status not in (WorkerStatus.OFFLINE, WorkerStatus.CONNECTING):
+            workers_transition(workers=[worker], to=WorkerStatus.OFFLINE, actor=actor, reason=reason, current_job=None)
+        elif worker.current_job_id:
+            Worker.objects.filter(pk=worker.pk).update(current_job=None)
+        audit_record(
+            actor=actor,
+            action=actions.WORKER_DISCONNECTED,
+            target_type="worker",
+            target_id=worker.pk,
+            details={"reason": reason, "worker_type": worker.worker_type},
+        )
+    return {"status": worker.status}
+
+
+def worker_stream_opened(*, worker_id, stream_id, replaying):
+    """Mark the worker's stream open; hand it work: re-send an unacknowledged dispatch, or dispatch anew.
+
+    ``replaying`` is True when the agent resumes with Last-Event-ID (the library replays what it missed).
+    """
+    with transaction.atomic():
+        worker = lock_worker(worker_id)
+        Worker.objects.filter(pk=worker.pk).update(stream_id=stream_id, stream_opened_at=timezone.now())
+        if worker.current_job_id and not replaying:
+            job_redeliver_on_commit(job_id=worker.current_job_id, worker_id=worker.pk)
+        if worker.status == WorkerStatus.IDLE:
+            dispatch_on_commit(worker_id=worker.pk)
+
+
+def job_reconcile_idle_agent(*, worker, actor):
+    """Free a locked ``worker`` whose agent says it runs nothing while it holds a cancelled job."""
+    job = lock_job(worker.current_job_id)
+    if job is None or job.status == JobStatus.CANCELLED:
+        workers_free_and_offer(workers=[worker], actor=actor, reason="agent reports no job after cancel")
+
+
+def _names_current_attempt(job, job_id, attempt):
+    """Whether an agent that says it holds ``job_id`` (and ``attempt``, if it says one) holds ``job``'s live attempt."""
+    return job is not None and job.pk == job_id and job.status in JOB_ACTIVE and (not attempt or attempt == job.lease_id)
+
+
+def _release_held_job(*, job, worker, actor, reason):
+    """Take a locked active ``job`` back from ``worker``, which no longer runs it (the caller updates the worker).
+
+    A cancelled job only loses its worker (the caller clears ``current_job``).
+    """
+    if job.worker_id == worker.pk and job.status in JOB_ACTIVE:
+        redispatch_on_commit(jobs_release(jobs=[job], actor=actor, reason=reason))
+
+
+def worker_ask_for_work(*, worker_id):
+    """Return whether a queued job fits the worker (what an ephemeral agent asks after its job).
+
+    If one does and the worker is available, it is dispatched now: this is a write, whatever the
+    HTTP method (the upstream agent asks with GET).
+    """
+    worker = Worker.objects.filter(pk=worker_id).first()
+    if worker is None:
+        return False
+    has_jobs = jobs_waiting_for(worker)
+    if has_jobs and worker.status == WorkerStatus.IDLE:
+        dispatch_for_worker(worker.pk)
+    return has_jobs

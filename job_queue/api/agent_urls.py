@@ -1,0 +1,14 @@
+"""The worker protocol's endpoints, at the paths ``worker_agent.protocol`` names (mounted at the site's root)."""
+
+from common.routes import protocol_route
+from worker_agent import protocol
+
+from . import agent_views as views
+
+urlpatterns = [
+    protocol_route(protocol.REGISTER_PATH, views.RegisterView.as_view(), name="worker-register"),
+    protocol_route(protocol.HEARTBEAT_PATH, views.HeartbeatView.as_view(), name="worker-heartbeat"),
+    protocol_route(protocol.JOB_STATUS_PATH, views.JobStatusView.as_view(), name="worker-job-status"),
+    protocol_route(protocol.QUEUE_PATH, views.QueueView.as_view(), name="worker-queue"),
+    protocol_route(protocol.DISCONNECT_PATH, views.DisconnectView.as_view(), name="worker-disconnect"),
+]

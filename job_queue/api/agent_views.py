@@ -1,0 +1,153 @@
+"""The worker protocol's endpoints (``worker_agent.protocol``), authenticated by the worker's own token."""
+
+from django.conf import settings
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import exceptions
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from audit.services import Actor
+from common.http import error_responses
+from common.remote import client_ip
+from worker_agent import protocol
+from workers import services as worker_services
+from workers.api.serializers import (
+    HeartbeatResponseSerializer,
+    HeartbeatSerializer,
+    JobReportResponseSerializer,
+    JobStatusReportSerializer,
+    QueueStateSerializer,
+    RegisterResponseSerializer,
+    RegisterSerializer,
+    WorkerIdSerializer,
+    WorkerStatusSerializer,
+)
+from workers.authentication import IsWorker, WorkerTokenAuthentication
+
+from .. import agents, reports
+
+WORKER_ID_QUERY = OpenApiParameter(
+    "worker_id", str, description="Optional; must be the token's own worker (403 otherwise)."
+)
+
+
+class WorkerAPIView(APIView):
+    """Base for endpoints an agent calls: authenticated by its token, bound to its own worker."""
+
+    authentication_classes = [WorkerTokenAuthentication]
+    permission_classes = [IsWorker]
+
+    @property
+    def worker(self):
+        return self.request.user.worker
+
+    @property
+    def actor(self):
+        return Actor.for_worker(self.worker, client_ip(self.request))
+
+    def check_worker_id(self, claimed):
+        """Refuse a request that names a different worker than the token's."""
+        if claimed and str(claimed) != self.worker.pk:
+            raise exceptions.PermissionDenied(f"this token belongs to worker {self.worker.pk}, not {claimed}")
+
+    def validated(self, serializer_class, data):
+        serializer = serializer_class(data=data)
+        serializer.is_valid(raise_exception=True)
+        self.check_worker_id(serializer.validated_data.get("worker_id"))
+        return serializer.validated_data
+
+
+class RegisterView(WorkerAPIView):
+    REFUSALS = (exceptions.AuthenticationFailed, exceptions.NotAuthenticated, exceptions.PermissionDenied)
+
+    def audit_refusal(self, request, exc):
+        secret = request.headers.get(protocol.WORKER_TOKEN_HEADER) or ""
+        body = request.data if isinstance(request.data, dict) else {}
+        worker_services.worker_register_failed(
+            reason=str(exc.detail), token_prefix=secret.strip()[:6], ip=client_ip(request), name=body.get("name", "")
+        )
+
+    def initial(self, request, *args, **kwargs):
+        try:
+            super().initial(request, *args, **kwargs)
+        except self.REFUSALS as exc:
+            self.audit_refusal(request, exc)
+            raise
+
+    @extend_schema(
+        tags=["workers"],
+        summary="Register (or re-register) the calling worker and learn where to stream from",
+        request=RegisterSerializer,
+        responses={200: RegisterResponseSerializer, **error_responses(400, 401, 403)},
+    )
+    def post(self, request):
+        try:
+            data = self.validated(RegisterSerializer, request.data)
+        except exceptions.PermissionDenied as exc:  # a valid token claiming another worker's id
+            self.audit_refusal(request, exc)
+            raise
+        result = agents.worker_register(worker_id=self.worker.pk, data=data, actor=self.actor)
+        result["sse_url"] = request.build_absolute_uri(f"{protocol.STREAM_PATH}?worker_id={self.worker.pk}")
+        result["heartbeat_interval"] = worker_services.heartbeat_interval()
+        result["dispatch_ack_timeout"] = settings.SIMPLETUNER["DISPATCH_ACK_TIMEOUT"]
+        return Response(result)
+
+
+class HeartbeatView(WorkerAPIView):
+    @extend_schema(
+        tags=["workers"],
+        summary="Report liveness, utilisation and progress",
+        request=HeartbeatSerializer,
+        responses={200: HeartbeatResponseSerializer, **error_responses(400, 401, 403, 409)},
+    )
+    def post(self, request):
+        data = self.validated(HeartbeatSerializer, request.data)
+        return Response(agents.worker_heartbeat(worker_id=self.worker.pk, data=data, actor=self.actor))
+
+
+class JobStatusView(WorkerAPIView):
+    @extend_schema(
+        tags=["workers"],
+        summary="Report a job's status (starting, running, completed, failed, cancelled)",
+        request=JobStatusReportSerializer,
+        responses={200: JobReportResponseSerializer, **error_responses(400, 401, 403, 404, 409)},
+    )
+    def post(self, request, job_id):
+        data = self.validated(JobStatusReportSerializer, request.data)
+        result = reports.job_report(worker_id=self.worker.pk, job_id=job_id, data=data, actor=self.actor)
+        return Response(result)
+
+
+class QueueView(WorkerAPIView):
+    @extend_schema(
+        tags=["workers"],
+        summary="Ask for work: whether jobs are waiting that this worker could run (one is dispatched if so)",
+        parameters=[WORKER_ID_QUERY],
+        request=None,
+        responses={200: QueueStateSerializer, **error_responses(401, 403)},
+    )
+    def post(self, request):
+        self.check_worker_id(request.query_params.get("worker_id") or (request.data or {}).get("worker_id"))
+        return Response({"has_jobs": agents.worker_ask_for_work(worker_id=self.worker.pk)})
+
+    @extend_schema(
+        tags=["workers"],
+        summary="Ask for work, as the upstream agent does (GET, though it may dispatch a job: same as POST)",
+        parameters=[WORKER_ID_QUERY],
+        responses={200: QueueStateSerializer, **error_responses(401, 403)},
+    )
+    def get(self, request):
+        self.check_worker_id(request.query_params.get("worker_id"))
+        return Response({"has_jobs": agents.worker_ask_for_work(worker_id=self.worker.pk)})
+
+
+class DisconnectView(WorkerAPIView):
+    @extend_schema(
+        tags=["workers"],
+        summary="Say goodbye: the worker goes offline (an ephemeral one is retired)",
+        request=WorkerIdSerializer,
+        responses={200: WorkerStatusSerializer, **error_responses(400, 401, 403)},
+    )
+    def post(self, request):
+        self.validated(WorkerIdSerializer, request.data)
+        return Response(agents.worker_disconnect(worker_id=self.worker.pk, actor=self.actor))

@@ -1,0 +1,195 @@
+"""Placing queued jobs on available workers: matching, assignment (a new attempt), and what the worker is sent."""
+
+from django.db import transaction
+from django.db.models import Case, F, IntegerField, Value, When
+from django.utils import timezone
+
+from audit import actions
+from audit.services import Actor, audit_record
+from common import outbox
+from worker_agent import protocol
+from workers import events as worker_events
+from workers.models import Worker, WorkerStatus, WorkerType
+from workers.transitions import workers_free, workers_transition
+
+from . import events
+from .models import TARGET_WORKER_TYPES, Job, JobStatus, job_fits_worker, new_lease_id, targets_for_worker_type
+from .transitions import attempt_open, jobs_transition
+
+SYSTEM = Actor.system("dispatcher")
+CANDIDATE_BATCH = 200
+
+
+# --- what a worker is sent ------------------------------------------------------------------------
+
+
+def job_submit_payload(job):
+    """Return the ``job_submit`` event data (without its ``type``) for the job's current attempt."""
+    return {
+        "job_id": job.pk,
+        "config_name": job.config_name,
+        "config": job.config,
+        "dataloader": job.dataloader,
+        "upload_endpoint": protocol.job_status_path(job.pk),
+        "attempt": job.lease_id,
+        "attempt_number": job.attempt_count,
+    }
+
+
+def job_resume_payload(job) -> protocol.ResumeJob:
+    """Return the ``resume_job`` object of a register response."""
+    return {"job_id": job.pk, "status": job.status, "attempt": job.lease_id, "attempt_number": job.attempt_count}
+
+
+def job_redeliver_on_commit(*, job_id, worker_id):
+    """Re-send ``job_submit`` for a dispatch the worker has not acknowledged yet (same lease)."""
+    job = Job.objects.filter(pk=job_id, worker_id=worker_id, status=JobStatus.DISPATCHED).first()
+    if job is not None:
+        worker_events.publish_on_commit(worker_id, protocol.JOB_SUBMIT, **job_submit_payload(job))
+
+
+# --- assignment -----------------------------------------------------------------------------------
+
+
+def _assign(*, job, worker, actor):
+    now = timezone.now()
+    lease = new_lease_id()
+    number = job.attempt_count + 1
+    jobs_transition(
+        jobs=[job],
+        to=JobStatus.DISPATCHED,
+        actor=actor,
+        reason=f"dispatched to {worker.name}",
+        worker=worker,
+        worker_name=worker.name,
+        lease_id=lease,
+        attempt_count=number,
+        dispatched_at=now,
+    )
+    workers_transition(
+        workers=[worker], to=WorkerStatus.BUSY, actor=actor, reason=f"dispatched job {job.pk}", current_job=job, now=now
+    )
+    attempt_open(job=job, worker=worker, lease_id=lease, number=number, now=now)
+    audit_record(
+        actor=actor,
+        action=actions.JOB_DISPATCHED,
+        target_type="job",
+        target_id=job.pk,
+        details={"worker": worker.pk, "worker_name": worker.name, "attempt": number, "lease": lease},
+    )
+    worker_events.publish_on_commit(worker.pk, protocol.JOB_SUBMIT, **job_submit_payload(job))
+    outbox.emit_on_commit(
+        events.DISPATCHED, job_id=job.pk, attempt_number=number, submitted_at=job.submitted_at, dispatched_at=now
+    )
+
+
+def _available_workers():
+    return Worker.objects.filter(status=WorkerStatus.IDLE, current_job__isnull=True, stream_id__isnull=False)
+
+
+def _lock_available_worker(worker_id):
+    return _available_workers().select_for_update(skip_locked=True).filter(pk=worker_id).first()
+
+
+def dispatch_for_job(job_id, *, actor=SYSTEM):
+    """Dispatch queued job ``job_id`` to the best available worker; return the worker or None.
+
+    Workers that fit are tried least-recently-used first (remote before local for ``auto``); a worker
+    taken concurrently is skipped. Never dispatches a job twice nor gives a worker two jobs.
+    """
+    with transaction.atomic():
+        job = Job.objects.select_for_update(skip_locked=True).filter(pk=job_id, status=JobStatus.QUEUED).first()
+        if job is None:
+            return None
+        candidates = (
+            _available_workers()
+            .filter(worker_type__in=TARGET_WORKER_TYPES[job.target], gpu_count__gte=job.gpu_count)
+            .annotate(
+                local_last=Case(When(worker_type=WorkerType.LOCAL, then=Value(1)), default=Value(0), output_field=IntegerField())
+            )
+            .order_by("local_last", F("last_job_finished_at").asc(nulls_first=True), "pk")
+            .only("pk", "labels", "gpu_count")
+        )
+        for candidate in candidates.iterator(chunk_size=CANDIDATE_BATCH):
+            if not job_fits_worker(job, candidate):
+                continue
+            worker = _lock_available_worker(candidate.pk)
+            if worker is None:
+                continue
+            _assign(job=job, worker=worker, actor=actor)
+            return worker
+    return None
+
+
+def dispatch_for_worker(worker_id, *, actor=SYSTEM):
+    """Give available worker ``worker_id`` the highest-priority, oldest queued job it fits; return it or None."""
+    with transaction.atomic():
+        worker = _lock_available_worker(worker_id)
+        if worker is None or worker.drain_requested_at is not None:
+            return None
+        candidates = (
+            Job.objects.filter(
+                status=JobStatus.QUEUED,
+                target__in=targets_for_worker_type(worker.worker_type),
+                gpu_count__lte=worker.gpu_count,
+            )
+            .order_by("-priority", "submitted_at", "pk")
+            .only("pk", "worker_labels", "gpu_count")
+        )
+        for candidate in candidates.iterator(chunk_size=CANDIDATE_BATCH):
+            if not job_fits_worker(candidate, worker):
+                continue
+            job = Job.objects.select_for_update(skip_locked=True).filter(pk=candidate.pk, status=JobStatus.QUEUED).first()
+            if job is None:
+                continue
+            _assign(job=job, worker=worker, actor=actor)
+            return job
+    return None
+
+
+def dispatch_pending(*, limit=1000, actor=SYSTEM):
+    """Dispatch queued jobs in priority order while workers are available; return how many went out."""
+    dispatched = 0
+    if not _available_workers().exists():
+        return 0
+    queued = (
+        Job.objects.filter(status=JobStatus.QUEUED)
+        .order_by("-priority", "submitted_at", "pk")
+        .values_list("pk", flat=True)[:limit]
+    )
+    for job_id in list(queued):
+        if dispatch_for_job(job_id, actor=actor) is not None:
+            dispatched += 1
+            if not _available_workers().exists():
+                break
+    return dispatched
+
+
+def dispatch_on_commit(*, worker_id=None, job_id=None):
+    """After the current transaction commits, try to dispatch for ``worker_id`` or ``job_id``."""
+
+    def _run():
+        if worker_id is not None:
+            dispatch_for_worker(worker_id)
+        if job_id is not None:
+            dispatch_for_job(job_id)
+
+    transaction.on_commit(_run, robust=True)
+
+
+def redispatch_on_commit(released):
+    """Offer the jobs ``jobs_release`` put back on the queue to workers once committed (one: at once; more: in order)."""
+    if len(released.requeued) == 1:
+        dispatch_on_commit(job_id=released.requeued[0])
+    elif released.requeued:
+        transaction.on_commit(dispatch_pending, robust=True)
+
+
+def workers_free_and_offer(*, workers, actor, reason):
+    """Free locked ``workers`` whose job is over (``workers.transitions.workers_free``) and offer work to the idle.
+
+    An ephemeral agent leaves after its job; it gets another only by asking (the queue endpoint).
+    """
+    for worker in workers_free(workers=workers, actor=actor, reason=reason):
+        if worker.worker_type != WorkerType.EPHEMERAL:
+            dispatch_on_commit(worker_id=worker.pk)

@@ -1,0 +1,171 @@
+"""A worker's reports on its job: status reports (fenced by attempt) and the progress its heartbeats carry."""
+
+import math
+
+from django.db import transaction
+from django.utils import timezone
+
+from audit import actions
+from audit.services import audit_record
+from common.errors import InvalidInput, InvalidTransition, NotFound, StaleReport
+from worker_agent import protocol
+from workers import events as worker_events
+from workers.models import Worker
+
+from .dispatch import redispatch_on_commit, workers_free_and_offer
+from .models import JOB_ACTIVE, JOB_TERMINAL, REPORTED_STATUS, AttemptOutcome, Job, JobStatus
+from .services import lock_job
+from .transitions import (
+    ERROR_MAX_CHARS,
+    attempts_finish,
+    jobs_acknowledge,
+    jobs_recover_completion,
+    jobs_release,
+    jobs_transition,
+    recoverable_attempt,
+)
+
+LOG_TAIL_MAX_CHARS = 16_000
+
+
+def _normalise_progress(value):
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise InvalidInput("progress must be a number or an object", code="invalid_progress")
+    if isinstance(value, (int, float)):
+        if not math.isfinite(value) or value < 0:
+            raise InvalidInput("progress must be a finite number >= 0", code="invalid_progress")
+        return {"fraction": min(value if value <= 1 else value / 100.0, 1.0)}
+    if isinstance(value, dict):
+        return value
+    raise InvalidInput("progress must be a number or an object", code="invalid_progress")
+
+
+def _progress_fields(data):
+    fields = {}
+    progress = _normalise_progress(data.get("progress"))
+    if progress is not None:
+        fields["progress"] = progress
+    log_tail = data.get("log_tail")
+    if log_tail is not None:
+        if isinstance(log_tail, list):
+            log_tail = "\n".join(str(line) for line in log_tail)
+        fields["log_tail"] = str(log_tail)[-LOG_TAIL_MAX_CHARS:]
+    if data.get("exit_code") is not None:
+        try:
+            fields["exit_code"] = int(data["exit_code"])
+        except (TypeError, ValueError):
+            raise InvalidInput("exit_code must be an integer", code="invalid_exit_code") from None
+    return fields
+
+
+def job_record_progress(*, job_id, worker, data):
+    """Store progress and log tail sent with a heartbeat for the worker's own live job."""
+    fields = _progress_fields(data)
+    if fields:
+        Job.objects.filter(pk=job_id, worker_id=worker.pk, status__in=JOB_ACTIVE).update(**fields)
+
+
+def job_report(*, worker_id, job_id, data, actor):
+    """Apply a worker's status report for ``job_id``; return ``{"job_id", "status", "accepted"}``.
+
+    Only the worker holding the job's current attempt may report (``attempt`` fences older ones),
+    with one exception: the completion of a lost attempt is accepted while nothing has dispatched the
+    job again (``jobs_recover_completion``). Raise NotFound, StaleReport (409) for a job or attempt it no longer owns, or InvalidTransition.
+    """
+    raw = data.get("status")
+    if raw not in REPORTED_STATUS:
+        raise InvalidInput(f"status must be one of {', '.join(protocol.REPORTED_STATUSES)}", code="invalid_status")
+    target = REPORTED_STATUS[raw]
+    lease = data.get("attempt") or data.get("lease_id")
+    error = str(data.get("error") or "")
+    with transaction.atomic():
+        # Worker before job, the order every worker-side service locks in (heartbeat, register,
+        # disconnect); the other order deadlocks against a concurrent heartbeat of the same agent.
+        worker = Worker.objects.select_for_update().get(pk=worker_id)
+        job = lock_job(job_id)
+        if job is None:
+            raise NotFound(f"job {job_id} does not exist")
+        late = target == JobStatus.COMPLETED and recoverable_attempt(job=job, worker=worker, lease_id=lease)
+        if late:
+            # The attempt was taken back (its worker went silent, or never acknowledged) but did finish,
+            # and nothing has run the job since: keep the result rather than run it again.
+            jobs_recover_completion(job=job, attempt=late, actor=actor, **_progress_fields(data))
+            return {"job_id": job.pk, "status": job.status, "accepted": True}
+        refusal = None
+        if job.worker_id != worker.pk:
+            refusal = (protocol.JOB_NOT_OWNED, f"job {job.pk} is not assigned to worker {worker.name}; stop it")
+        elif lease and lease != job.lease_id:
+            refusal = (protocol.STALE_ATTEMPT, f"attempt {lease} of job {job.pk} is no longer current; stop it")
+        elif job.status == JobStatus.CANCELLED and target == JobStatus.RUNNING:
+            refusal = (protocol.JOB_CANCELLED, f"job {job.pk} was cancelled; stop it")
+            worker_events.publish_on_commit(worker.pk, protocol.JOB_CANCEL, job_id=job.pk, attempt=job.lease_id)
+        if refusal:
+            audit_record(
+                actor=actor,
+                action=actions.JOB_REPORT_REFUSED,
+                target_type="job",
+                target_id=job.pk,
+                details={"reported": raw, "attempt": lease, "reason": refusal[0]},
+                success=False,
+            )
+            # Keep the refusal's audit row: commit it, then raise outside the transaction.
+        else:
+            result = _apply_report(job=job, worker=worker, raw=raw, target=target, error=error, data=data, actor=actor)
+    if refusal:
+        raise StaleReport(refusal[1], code=refusal[0], extra={"abandon_job": job.pk})
+    return result
+
+
+def _apply_report(*, job, worker, raw, target, error, data, actor):
+    fields = _progress_fields(data)
+    owns_worker = worker.current_job_id == job.pk
+
+    if job.status == JobStatus.CANCELLED:  # the agent confirms the process stopped
+        if fields:
+            Job.objects.filter(pk=job.pk).update(**fields)
+        if owns_worker:
+            workers_free_and_offer(workers=[worker], actor=actor, reason=f"job {job.pk} stopped after cancel")
+        return {"job_id": job.pk, "status": job.status, "accepted": True}
+
+    if job.status in JOB_TERMINAL:
+        if job.status == target:
+            return {"job_id": job.pk, "status": job.status, "accepted": True}
+        raise InvalidTransition(f"job {job.pk} already {job.status}; {raw} refused")
+
+    now = timezone.now()
+    if target == JobStatus.RUNNING:
+        if job.status == JobStatus.DISPATCHED:
+            jobs_acknowledge(jobs=[job], actor=actor, reason=raw, now=now, **fields)
+        elif fields:
+            Job.objects.filter(pk=job.pk).update(**fields)
+        return {"job_id": job.pk, "status": job.status, "accepted": True}
+
+    if target == JobStatus.COMPLETED:
+        attempts_finish(lease_ids=[job.lease_id], outcome=AttemptOutcome.COMPLETED, now=now)
+        progress = fields.pop("progress", None) or dict(job.progress or {})
+        progress["fraction"] = 1.0
+        jobs_transition(
+            jobs=[job], to=JobStatus.COMPLETED, actor=actor, reason=raw, finished_at=now, progress=progress, **fields
+        )
+    elif target == JobStatus.FAILED and not job.retry_on_failure:
+        reason = error or "trainer failed"
+        attempts_finish(lease_ids=[job.lease_id], outcome=AttemptOutcome.FAILED, error=reason, now=now)
+        jobs_transition(
+            jobs=[job], to=JobStatus.FAILED, actor=actor, reason=reason, last_error=reason[:ERROR_MAX_CHARS], finished_at=now, **fields
+        )
+    else:  # the attempt is over but the job may run again: it failed (retry_on_failure), or the agent stopped it
+        if fields:
+            Job.objects.filter(pk=job.pk).update(**fields)
+        if target == JobStatus.FAILED:
+            outcome, why = AttemptOutcome.FAILED, f"attempt {job.attempt_count} failed: {error or 'trainer failed'}"
+        else:
+            outcome, why = AttemptOutcome.CANCELLED, f"attempt {job.attempt_count} stopped by worker: {error or 'stopped by the worker'}"
+        # The report itself acknowledges the attempt, even one that never said `starting`.
+        released = jobs_release(jobs=[job], actor=actor, reason=why, outcome=outcome, acknowledged=True, now=now)
+        redispatch_on_commit(released)
+
+    if owns_worker:
+        workers_free_and_offer(workers=[worker], actor=actor, reason=f"job {job.pk} {raw}")
+    return {"job_id": job.pk, "status": job.status, "accepted": True}

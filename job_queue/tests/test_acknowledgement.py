@@ -1,0 +1,210 @@
+"""Exactly once, server side: the one acknowledgement rule, the ack sweep after a restart, late completions."""
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from audit import actions
+from job_queue.models import AttemptOutcome, Job, JobAttempt, JobStatus
+from job_queue.sweeps import sweep_stale_workers, sweep_unacknowledged_dispatches
+from job_queue.tests.factories import job_on_worker
+from job_queue.tests.test_sweeps import lost_dispatch
+from workers.models import ServerPresence, Worker, WorkerStatus
+from workers.tests.factories import WorkerFactory
+from workers.tests.support import audit_rows
+
+pytestmark = pytest.mark.django_db
+
+HEARTBEAT = "/api/workers/heartbeat"
+REGISTER = "/api/workers/register"
+
+
+def _reload(obj):
+    obj.refresh_from_db()
+    return obj
+
+
+def _status_path(job):
+    return f"/api/workers/job/{job.pk}/status"
+
+
+# --- one acknowledgement rule ----------------------------------------------------------------------
+
+
+def test_a_heartbeat_naming_the_dispatched_job_acknowledges_it_and_the_ack_sweep_leaves_it(worker_client):
+    """The deterministic repro: job_submit received, `starting` never sent, heartbeats name the job."""
+    worker = WorkerFactory()
+    job = lost_dispatch(worker)  # dispatched 10 minutes ago, never said `starting`
+    client = worker_client(worker)
+
+    for _ in range(3):
+        response = client.post(HEARTBEAT, {"status": "busy", "current_job_id": job.pk}, format="json")
+        assert response.status_code == 200, response.content
+
+    assert sweep_unacknowledged_dispatches() == {"jobs": 0, "workers_freed": 0}
+    job = _reload(job)
+    assert (job.status, job.lease_id, job.retry_count) == (JobStatus.RUNNING, job.lease_id, 0)
+    assert JobAttempt.objects.get(lease_id=job.lease_id).started_at is not None
+    changes = [r.details for r in audit_rows(actions.JOB_STATUS_CHANGED, target_id=job.pk)]
+    assert changes == [
+        {"from": "dispatched", "to": "running", "reason": "heartbeat names the job", "attempt": 1, "worker": worker.pk}
+    ]
+
+
+def test_a_heartbeat_naming_another_attempt_of_the_job_does_not_acknowledge_it(worker_client):
+    worker = WorkerFactory()
+    job = lost_dispatch(worker)
+
+    response = worker_client(worker).post(
+        HEARTBEAT, {"status": "busy", "current_job_id": job.pk, "attempt": "a_someoldattempt"}, format="json"
+    )
+
+    assert response.status_code == 200
+    assert _reload(job).status == JobStatus.DISPATCHED
+    assert sweep_unacknowledged_dispatches()["jobs"] == 1
+
+
+def test_a_heartbeat_naming_the_job_and_its_attempt_acknowledges_it(worker_client):
+    worker = WorkerFactory()
+    job = lost_dispatch(worker)
+
+    response = worker_client(worker).post(
+        HEARTBEAT, {"status": "busy", "current_job_id": job.pk, "attempt": job.lease_id}, format="json"
+    )
+
+    assert response.status_code == 200
+    assert _reload(job).status == JobStatus.RUNNING
+
+
+def test_a_failed_report_of_a_never_acknowledged_attempt_counts_as_acknowledged(worker_client):
+    worker = WorkerFactory()
+    job = job_on_worker(worker, status=JobStatus.DISPATCHED, retry_on_failure=True)
+
+    response = worker_client(worker).post(
+        _status_path(job), {"status": "failed", "attempt": job.lease_id, "error": "boom"}, format="json"
+    )
+
+    assert response.status_code == 200
+    job = _reload(job)
+    assert (job.status, job.retry_count) == (JobStatus.QUEUED, 1)  # the trainer ran: a retry is spent
+    (attempt,) = JobAttempt.objects.filter(job=job)
+    assert attempt.outcome == AttemptOutcome.FAILED
+
+
+# --- the ack sweep after a restart -----------------------------------------------------------------
+
+
+def _server_up_for(seconds):
+    now = timezone.now()
+    ServerPresence.objects.create(
+        pk="host:1:x", hostname="host", pid=1, started_at=now - timedelta(seconds=seconds), last_seen=now
+    )
+
+
+def test_the_ack_sweep_holds_back_until_a_server_has_been_up_for_a_whole_ack_timeout(settings):
+    settings.SIMPLETUNER = {**settings.SIMPLETUNER, "DISPATCH_ACK_TIMEOUT": 5}
+    job = lost_dispatch(WorkerFactory(), age=timedelta(seconds=30))
+    _server_up_for(2)  # restarted 2 s ago: agents are still reconnecting
+
+    assert sweep_unacknowledged_dispatches() == {"jobs": 0, "workers_freed": 0}
+    assert _reload(job).status == JobStatus.DISPATCHED
+
+    ServerPresence.objects.update(started_at=timezone.now() - timedelta(seconds=6))
+    assert sweep_unacknowledged_dispatches() == {"jobs": 1, "workers_freed": 1}
+    assert _reload(job).status == JobStatus.QUEUED
+
+
+def test_the_ack_sweep_holds_back_while_no_server_is_up(settings):
+    job = lost_dispatch(WorkerFactory())
+    ServerPresence.objects.create(
+        pk="host:1:x", hostname="host", pid=1, started_at=timezone.now() - timedelta(hours=1),
+        last_seen=timezone.now() - timedelta(minutes=10),
+    )
+
+    assert sweep_unacknowledged_dispatches()["jobs"] == 0
+    assert _reload(job).status == JobStatus.DISPATCHED
+
+
+# --- a late completion of a lost attempt -----------------------------------------------------------
+
+
+def _lost_running_job(worker, settings):
+    """A running job whose worker went silent: the stale sweep requeued it, spending a retry."""
+    settings.SIMPLETUNER = {**settings.SIMPLETUNER, "HEARTBEAT_TIMEOUT": 30}
+    job = job_on_worker(worker, status=JobStatus.RUNNING)
+    Worker.objects.filter(pk=worker.pk).update(last_heartbeat=timezone.now() - timedelta(minutes=5))
+    assert sweep_stale_workers()["requeued"] == 1
+    job = _reload(job)
+    assert (job.status, job.retry_count, job.lease_id) == (JobStatus.QUEUED, 1, None)
+    return job
+
+
+def test_a_late_completion_of_a_lost_attempt_completes_the_job_and_cancels_the_requeue(worker_client, settings):
+    worker = WorkerFactory()
+    job = _lost_running_job(worker, settings)
+    (attempt,) = JobAttempt.objects.filter(job=job)
+    assert attempt.outcome == AttemptOutcome.LOST
+
+    response = worker_client(worker).post(
+        _status_path(job),
+        {"status": "completed", "attempt": attempt.lease_id, "exit_code": 0, "log_tail": ["done"]},
+        format="json",
+    )
+
+    assert response.status_code == 200, response.content
+    assert response.json() == {"job_id": job.pk, "status": "completed", "accepted": True}
+    job = _reload(job)
+    assert (job.status, job.retry_count, job.lease_id, job.worker_id) == (
+        JobStatus.COMPLETED, 0, attempt.lease_id, worker.pk,
+    )
+    assert (job.exit_code, job.log_tail, job.progress["fraction"]) == (0, "done", 1.0)
+    assert _reload(attempt).outcome == AttemptOutcome.COMPLETED
+    (recovered,) = audit_rows(actions.JOB_COMPLETION_RECOVERED, target_id=job.pk)
+    assert recovered.details == {"attempt": 1, "lease": attempt.lease_id, "was": "lost", "retry_refunded": True}
+    # Nothing dispatches it again.
+    assert Job.objects.get(pk=job.pk).attempt_count == 1
+
+
+def test_once_another_attempt_holds_the_job_the_late_completion_is_refused_and_recorded(worker_client, settings):
+    first, second = WorkerFactory(name="first"), WorkerFactory(name="second")
+    job = _lost_running_job(first, settings)
+    old_lease = JobAttempt.objects.get(job=job).lease_id
+    # Dispatched again, to another worker.
+    Worker.objects.filter(pk=second.pk).update(last_heartbeat=timezone.now())
+    from job_queue.dispatch import dispatch_for_job
+
+    Worker.objects.filter(pk=second.pk).update(status=WorkerStatus.IDLE, stream_id="s-2")
+    assert dispatch_for_job(job.pk).pk == second.pk
+
+    response = worker_client(first).post(
+        _status_path(job), {"status": "completed", "attempt": old_lease}, format="json"
+    )
+
+    assert response.status_code == 409
+    assert response.json()["code"] == "job_not_owned"
+    assert _reload(job).status == JobStatus.DISPATCHED
+    (refused,) = audit_rows(actions.JOB_REPORT_REFUSED, target_id=job.pk)
+    assert refused.details["attempt"] == old_lease
+
+
+def test_only_the_worker_that_ran_the_lost_attempt_can_complete_it(worker_client, settings):
+    worker, other = WorkerFactory(name="ran-it"), WorkerFactory(name="other")
+    job = _lost_running_job(worker, settings)
+    lease = JobAttempt.objects.get(job=job).lease_id
+
+    response = worker_client(other).post(_status_path(job), {"status": "completed", "attempt": lease}, format="json")
+
+    assert response.status_code == 409
+    assert _reload(job).status == JobStatus.QUEUED
+
+
+def test_a_late_failure_of_a_lost_attempt_is_still_refused(worker_client, settings):
+    worker = WorkerFactory()
+    job = _lost_running_job(worker, settings)
+    lease = JobAttempt.objects.get(job=job).lease_id
+
+    response = worker_client(worker).post(_status_path(job), {"status": "failed", "attempt": lease}, format="json")
+
+    assert response.status_code == 409
+    assert _reload(job).status == JobStatus.QUEUED

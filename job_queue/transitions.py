@@ -1,0 +1,242 @@
+"""The one writer of ``Job.status`` and ``JobAttempt.outcome``, for sets of jobs, audited in the caller's transaction.
+
+Callers lock the job rows first and pass model instances (a set of one for a single job). Here too is
+the one requeue-or-fail rule (``jobs_release``) that every lost attempt goes through: the agent's own
+reports, re-registration and disconnect, the stale-worker sweep and the unacknowledged-dispatch sweep.
+"""
+
+from collections import defaultdict
+
+from django.db.models import F
+from django.utils import timezone
+
+from audit import actions
+from audit.services import audit_events, audit_write
+from common import outbox
+from common.errors import InvalidTransition
+
+from . import events
+from .models import JOB_TRANSITIONS, AttemptOutcome, Job, JobAttempt, JobStatus
+
+ERROR_MAX_CHARS = 4000
+# What a job that goes back to the queue forgets of its lost attempt.
+BACK_TO_QUEUE = {"worker": None, "lease_id": None, "dispatched_at": None, "started_at": None}
+
+
+def jobs_transition(*, jobs, to, actor, reason="", **fields):
+    """Move each locked job in ``jobs`` to ``to``, writing ``fields``, with one audit row each.
+
+    ``reason`` is a string or a function of the job. Raise InvalidTransition if the table in
+    ``job_queue.models`` forbids it, or if a job's status changed since the caller read it. Return
+    ``jobs``, updated in place.
+    """
+    groups = defaultdict(list)
+    for job in jobs:
+        if job.status not in JOB_TRANSITIONS[to]:
+            raise InvalidTransition(f"job {job.pk} cannot go from {job.status} to {to}")
+        groups[job.status].append(job)
+    audit = []
+    for before, group in groups.items():
+        updated = Job.objects.filter(pk__in=[j.pk for j in group], status=before).update(status=to, **fields)
+        if updated != len(group):
+            what = f"job {group[0].pk}" if len(group) == 1 else f"{len(group) - updated} job(s)"
+            raise InvalidTransition(f"{what} changed status concurrently; from {before} to {to} refused")
+        rows = []
+        for job in group:
+            details = {
+                "from": before,
+                "to": to,
+                "reason": reason(job) if callable(reason) else reason,
+                "attempt": job.attempt_count,
+            }
+            if job.worker_id:
+                details["worker"] = job.worker_id
+            rows.append((job.pk, details))
+            for name, value in fields.items():
+                setattr(job, name, value)
+            job.status = to
+        audit += audit_events(actor=actor, action=actions.JOB_STATUS_CHANGED, target_type="job", rows=rows)
+    audit_write(audit)
+    return jobs
+
+
+def attempt_open(*, job, worker, lease_id, number, now):
+    """Record a new attempt of ``job`` on ``worker`` (outcome pending)."""
+    return JobAttempt.objects.create(
+        job=job, number=number, lease_id=lease_id, worker=worker, worker_name=worker.name, dispatched_at=now
+    )
+
+
+def jobs_acknowledge(*, jobs, actor, reason, now=None, **fields):
+    """Mark locked ``dispatched`` jobs acknowledged by their worker: ``running``, their attempt started.
+
+    The one acknowledgement rule: a worker acknowledges a dispatch by ``starting`` (or any running
+    report), and also by a heartbeat, a re-registration or a report that names the job (and its
+    attempt, when it says one). Jobs not ``dispatched`` are left as they are. Return the jobs acknowledged.
+    """
+    now = now or timezone.now()
+    fresh = [job for job in jobs if job.status == JobStatus.DISPATCHED]
+    if not fresh:
+        return []
+    jobs_transition(jobs=fresh, to=JobStatus.RUNNING, actor=actor, reason=reason, started_at=now, **fields)
+    JobAttempt.objects.filter(lease_id__in=[job.lease_id for job in fresh]).update(started_at=now)
+    for job in fresh:
+        outbox.emit_on_commit(events.ACKNOWLEDGED, dispatched_at=job.dispatched_at, started_at=now)
+    return fresh
+
+
+def attempts_finish(*, lease_ids, outcome, error="", now=None):
+    """End the still-pending attempts among ``lease_ids`` with ``outcome``; an ended attempt keeps its own."""
+    lease_ids = [lease for lease in lease_ids if lease]
+    if lease_ids:
+        JobAttempt.objects.filter(lease_id__in=lease_ids, outcome=AttemptOutcome.PENDING).update(
+            outcome=outcome, error=error[:ERROR_MAX_CHARS], finished_at=now or timezone.now()
+        )
+
+
+# Outcomes of an attempt taken back without its worker's word; a late completion of one is still good.
+RECOVERABLE_OUTCOMES = (AttemptOutcome.LOST, AttemptOutcome.UNACKNOWLEDGED)
+
+
+def recoverable_attempt(*, job, worker, lease_id):
+    """Return ``job``'s attempt ``lease_id`` if ``worker`` may still complete it, else None.
+
+    That is: the job went back to the queue when this attempt (its latest, on this worker) was lost,
+    and nothing has dispatched it again.
+    """
+    if job.status != JobStatus.QUEUED or not lease_id:
+        return None
+    return JobAttempt.objects.filter(
+        job=job, lease_id=lease_id, worker_id=worker.pk, number=job.attempt_count, outcome__in=RECOVERABLE_OUTCOMES
+    ).first()
+
+
+def jobs_recover_completion(*, job, attempt, actor, now=None, **fields):
+    """Complete locked queued ``job`` with its lost ``attempt``, whose worker finished it after all.
+
+    The requeue is undone: the attempt ends ``completed``, a retry its loss spent is given back, and
+    the job records the attempt and worker that ran it. Return ``job``.
+    """
+    now = now or timezone.now()
+    refund = attempt.outcome == AttemptOutcome.LOST and job.retry_count > 0
+    JobAttempt.objects.filter(pk=attempt.pk, outcome__in=RECOVERABLE_OUTCOMES).update(
+        outcome=AttemptOutcome.COMPLETED, error="", finished_at=now
+    )
+    progress = fields.pop("progress", None) or dict(job.progress or {})
+    progress["fraction"] = 1.0
+    reason = f"late completion of attempt {attempt.number} on {attempt.worker_name}: its requeue is cancelled"
+    jobs_transition(
+        jobs=[job],
+        to=JobStatus.COMPLETED,
+        actor=actor,
+        reason=reason,
+        worker_id=attempt.worker_id,
+        worker_name=attempt.worker_name,
+        lease_id=attempt.lease_id,
+        dispatched_at=attempt.dispatched_at,
+        started_at=attempt.started_at or attempt.dispatched_at,
+        finished_at=now,
+        progress=progress,
+        last_error="",
+        retry_count=job.retry_count - refund,
+        **fields,
+    )
+    audit_write(
+        audit_events(
+            actor=actor,
+            action=actions.JOB_COMPLETION_RECOVERED,
+            target_type="job",
+            rows=[(job.pk, {"attempt": attempt.number, "lease": attempt.lease_id, "was": attempt.outcome, "retry_refunded": refund})],
+        )
+    )
+    return job
+
+
+class Released:
+    """What ``jobs_release`` did: the ids requeued (to dispatch once committed) and failed for good."""
+
+    def __init__(self):
+        self.requeued = []
+        self.failed = []
+
+    def __bool__(self):
+        return bool(self.requeued or self.failed)
+
+
+def jobs_release(*, jobs, actor, reason, outcome=AttemptOutcome.LOST, acknowledged=False, now=None):
+    """Take back locked active jobs whose current attempt is over (worker lost, dispatch never acknowledged, ...).
+
+    The rule, in one place:
+    - never acknowledged (``dispatched``): the attempt ends ``unacknowledged`` and the job goes back to
+      the queue without spending a retry (the trainer never started);
+    - acknowledged (``running``): the attempt ends with ``outcome``; the job is requeued while retries
+      remain, spending one, else fails for good with ``reason`` and the retries it used.
+    ``acknowledged`` says the worker's own report ended the attempt, which acknowledges it even if it
+    never said ``starting``. ``reason`` (a string or a function of the job) becomes ``last_error``. Return a
+    ``Released``; the caller offers the requeued jobs to workers once committed.
+    """
+    now = now or timezone.now()
+    released = Released()
+    reasons = {job.pk: reason(job) if callable(reason) else reason for job in jobs}  # before any field changes
+    why = lambda job: reasons[job.pk]  # noqa: E731
+    unacked = [] if acknowledged else [j for j in jobs if j.status == JobStatus.DISPATCHED]
+    started = [j for j in jobs if j not in unacked]
+    retry = [j for j in started if j.retry_count < j.max_retries]
+    exhausted = [j for j in started if j.retry_count >= j.max_retries]
+    for group_outcome, group in ((AttemptOutcome.UNACKNOWLEDGED, unacked), (outcome, started)):
+        for error, same in _grouped(group, why).items():
+            attempts_finish(lease_ids=[j.lease_id for j in same], outcome=group_outcome, error=error, now=now)
+    _requeue(unacked, actor=actor, why=why, spend_retry=False)
+    _requeue(retry, actor=actor, why=why, spend_retry=True)
+    if exhausted:
+        final = lambda j: f"{why(j)}; retries exhausted ({j.retry_count} of {j.max_retries} used)"  # noqa: E731
+        for error, same in _grouped(exhausted, final).items():
+            jobs_transition(
+                jobs=same, to=JobStatus.FAILED, actor=actor, reason=error, last_error=error[:ERROR_MAX_CHARS], finished_at=now
+            )
+        outbox.emit_on_commit(events.RETRIES_EXHAUSTED, count=len(exhausted))
+    released.requeued = [j.pk for j in unacked + retry]
+    released.failed = [j.pk for j in exhausted]
+    return released
+
+
+def _grouped(jobs, text):
+    """Return ``{text(job): [jobs]}``: one UPDATE per distinct text (a sweep's jobs share theirs)."""
+    groups = defaultdict(list)
+    for job in jobs:
+        groups[text(job)].append(job)
+    return groups
+
+
+def _requeue(jobs, *, actor, why, spend_retry):
+    if not jobs:
+        return
+    previous = {j.pk: (j.worker_id, j.retry_count) for j in jobs}
+    for reason, group in _grouped(jobs, why).items():
+        fields = dict(BACK_TO_QUEUE, last_error=reason[:ERROR_MAX_CHARS])
+        if spend_retry:
+            fields["retry_count"] = F("retry_count") + 1
+        jobs_transition(jobs=group, to=JobStatus.QUEUED, actor=actor, reason=reason, **fields)
+        for job in group:  # the instances show the value the UPDATE wrote, not the expression
+            job.retry_count = previous[job.pk][1] + spend_retry
+    audit_write(
+        audit_events(
+            actor=actor,
+            action=actions.JOB_REQUEUED,
+            target_type="job",
+            rows=[
+                (
+                    j.pk,
+                    {
+                        "reason": why(j),
+                        "retry_spent": spend_retry,
+                        "retry_count": j.retry_count,
+                        "max_retries": j.max_retries,
+                        "previous_worker": previous[j.pk][0],
+                    },
+                )
+                for j in jobs
+            ],
+        )
+    )
+    outbox.emit_on_commit(events.REQUEUED, count=len(jobs), retry_spent=spend_retry)

@@ -1,0 +1,20 @@
+from django.apps import AppConfig
+
+
+class RealtimeConfig(AppConfig):
+    """Installs our listener manager and subscribes the streams to the apps' outbox topics."""
+
+    name = "realtime"
+    verbose_name = "Realtime"
+
+    def ready(self):
+        from audit.events import CHANGES
+        from common import outbox
+        from workers.events import STREAMS_REVOKED, WORKER_EVENT
+
+        from . import listeners, operator_feed, publish
+
+        listeners.install_listener_manager()
+        outbox.subscribe(WORKER_EVENT, publish.on_worker_event)
+        outbox.subscribe(STREAMS_REVOKED, publish.on_streams_revoked)
+        outbox.subscribe(CHANGES, operator_feed.on_changes)

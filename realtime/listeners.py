@@ -1,0 +1,180 @@
+"""Who may read which stream, and the per-process registry of open streams (revocation, catch-up)."""
+
+import asyncio
+import json
+import logging
+
+from django_eventstream import eventstream as es_eventstream
+from django_eventstream import views as es_views
+from django_eventstream.channelmanager import ChannelManagerBase
+
+from worker_agent import protocol
+from workers.models import Token
+
+from .db import in_db_thread
+from .operator_feed import CHANGES_CHANNEL, OperatorPrincipal
+from .publish import CONTROL_PREFIX, REVOKE, stream_principal_id, worker_channel
+from .redis import RedisEventListener, redis_publish_client
+
+logger = logging.getLogger(__name__)
+
+_TOKEN_CHUNK = 500
+_publish_client = None  # ours, once installed in place of the library's
+
+
+class StreamPrincipal:
+    """Stands in for ``request.user`` on a worker stream: which token opened it and what it may read."""
+
+    is_authenticated = True
+    is_anonymous = False
+
+    def __init__(self, token_id, worker_id):
+        self.token_id = token_id
+        self.pk = stream_principal_id(token_id)
+        self.worker_id = worker_id
+        self.channels = frozenset({worker_channel(worker_id)})
+        self.revoked = False
+        self.revoked_reason = ""
+        self.revoked_code = ""
+
+
+class WorkerChannelManager(ChannelManagerBase):
+    """Streams read exactly the channels our view passes; ``?channel=`` from a client is never honoured.
+
+    A worker stream reads its own channel; the operators' change feed (``audit.events``) is read by
+    signed-in staff whom ``realtime.operator_feed`` let in (it checks the session and the view permissions).
+    """
+
+    def get_channels_for_request(self, request, view_kwargs):
+        return set(view_kwargs.get("channels", ()))
+
+    def can_read_channel(self, user, channel):
+        if isinstance(user, StreamPrincipal):
+            return not user.revoked and channel in user.channels
+        return channel == CHANGES_CHANNEL and isinstance(user, OperatorPrincipal)
+
+    def is_channel_reliable(self, channel):
+        return not channel.startswith(CONTROL_PREFIX) and channel != CHANGES_CHANNEL
+
+
+class WorkerListenerManager(es_views.ListenerManager):
+    """The library's listener registry, plus control messages that end streams across processes,
+    and a Redis subscriber that survives a Redis outage."""
+
+    def __init__(self):
+        super().__init__()
+        # The library built its own RedisListener (nothing connected yet); ours replaces it.
+        self.redis_listener = RedisEventListener(self) if self.redis_listener is not None else None
+        self.redis_task = None
+
+    def add_listener(self, listener):
+        if self.redis_listener is not None:
+            self._ensure_redis_listener()
+        super().add_listener(listener)
+
+    def _ensure_redis_listener(self):
+        """Start the Redis listener task on the running loop unless it already runs there."""
+        loop = asyncio.get_running_loop()
+        with self.lock:
+            task = self.redis_task
+            if task is None or task.done() or task.get_loop() is not loop:
+                self.redis_task = loop.create_task(self.redis_listener.run(), name="redis-event-listener")
+            self.redis_listener_started = True  # keeps the library from starting one of its own
+
+    def listeners(self):
+        """Return every local listener (a snapshot)."""
+        with self.lock:
+            return {listener for listeners in self.listeners_by_channel.values() for listener in listeners}
+
+    def add_to_queues(self, channel, event):
+        if channel.startswith(CONTROL_PREFIX):
+            if event.type == REVOKE:
+                data = json.loads(event.data) if isinstance(event.data, str) else event.data
+                self.revoke(
+                    channel[len(CONTROL_PREFIX):],
+                    set(data.get("tokens", ())),
+                    data.get("reason", ""),
+                    code=data.get("code", protocol.TOKEN_REVOKED),
+                )
+            return
+        super().add_to_queues(channel, event)
+
+    def revoke(self, channel, principals, reason, *, code=protocol.TOKEN_REVOKED):
+        """End the local streams on ``channel`` held by any of ``principals``, telling them ``reason`` and ``code``.
+
+        The principal is marked revoked and the stream woken as if its queue overflowed: the library
+        then re-reads the channel, finds it no longer readable, sends ``stream-error`` and ends.
+        """
+        with self.lock:
+            doomed = [
+                listener
+                for listener in self.listeners_by_channel.get(channel, ())
+                if listener.user_id in principals
+            ]
+            for listener in doomed:
+                listener.principal.revoked = True
+                listener.principal.revoked_reason = reason or "access revoked"
+                listener.principal.revoked_code = code
+                listener.overflow = True
+        for listener in doomed:
+            listener.wake_threadsafe()
+        if doomed:
+            logger.info("closed %d stream(s) on %s: %s", len(doomed), channel, reason)
+
+    def catch_up_all(self):
+        """Make every local stream re-read its channels from storage (it may have missed a push); return how many."""
+        listeners = self.listeners()
+        with self.lock:
+            for listener in listeners:
+                listener.overflow = True
+        for listener in listeners:
+            listener.wake_threadsafe()
+        return len(listeners)
+
+    def close_revoked_streams(self):
+        """Close local streams whose token was revoked or deleted; return how many tokens (sync: reads the DB).
+
+        Revocations travel as control messages through Redis; one sent while Redis was down reached
+        no other process.
+        """
+        held = {}  # token id -> channels
+        for listener in self.listeners():
+            principal = getattr(listener, "principal", None)
+            if isinstance(principal, StreamPrincipal) and not principal.revoked:
+                held.setdefault(principal.token_id, set()).update(principal.channels)
+        token_ids = sorted(held)
+        revoked_at = {}  # token id -> when it was revoked (None: still active); absent: deleted with its worker
+        for start in range(0, len(token_ids), _TOKEN_CHUNK):
+            chunk = token_ids[start : start + _TOKEN_CHUNK]
+            revoked_at.update(Token.objects.filter(pk__in=chunk).values_list("pk", "revoked_at"))
+        closed = 0
+        for token_id in held:
+            if token_id in revoked_at and revoked_at[token_id] is None:
+                continue
+            reason, code = (
+                ("token revoked", protocol.TOKEN_REVOKED) if token_id in revoked_at else ("worker deleted", protocol.WORKER_DELETED)
+            )
+            for channel in held[token_id]:
+                self.revoke(channel, {stream_principal_id(token_id)}, reason, code=code)
+            closed += 1
+        return closed
+
+    async def resync(self, *, recheck_tokens):
+        """After a (re)subscription: close the streams of tokens revoked meanwhile (if asked), then catch up all."""
+        if recheck_tokens:
+            try:
+                await in_db_thread(self.close_revoked_streams)()
+            except Exception:
+                logger.exception("could not re-check the tokens of open streams after a Redis outage")
+        woken = self.catch_up_all()
+        if recheck_tokens and woken:
+            logger.info("%d stream(s) re-read storage after the Redis event listener reconnected", woken)
+
+
+def install_listener_manager():
+    """Replace the library's module-level listener manager with ours, and its Redis publish client (idempotent)."""
+    if not isinstance(es_views.listener_manager, WorkerListenerManager):
+        es_views.listener_manager = WorkerListenerManager()
+    global _publish_client
+    if es_eventstream.redis_client is not None and es_eventstream.redis_client is not _publish_client:
+        _publish_client = es_eventstream.redis_client = redis_publish_client()

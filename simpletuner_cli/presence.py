@@ -1,0 +1,43 @@
+"""What a server process runs beside daphne: its presence beacon and, without a broker, the sweeps."""
+
+import os
+import socket
+
+
+def start_presence_beacon():
+    """Record this server process's presence now and every few seconds (see ``ServerPresence``).
+
+    The heartbeat sweep, wherever it runs, takes workers offline only while some server was up to hear
+    them; a server that stops or dies stops writing, and its silence is the signal.
+    """
+    import functools
+    import secrets
+
+    from django.utils import timezone
+
+    from simpletuner_site.scheduler import EmbeddedScheduler
+    from workers.services import presence_interval, server_presence_beat
+
+    hostname, pid = socket.gethostname(), os.getpid()
+    beat = functools.partial(
+        server_presence_beat,
+        process_id=f"{hostname}:{pid}:{secrets.token_hex(4)}",
+        hostname=hostname,
+        pid=pid,
+        started_at=timezone.now(),
+    )
+    beacon = EmbeddedScheduler(schedule=[("server presence", beat, presence_interval())])
+    beacon.run_once("server presence", beat)
+    return beacon.start()
+
+
+def start_embedded_sweeps(settings):
+    """Start the sweeps in this process and return their scheduler; None when Celery beat runs them (REDIS_URL)."""
+    if settings.REDIS_URL:
+        return None
+    # Embedded mode: no broker, so the sweeps Celery beat would run are run in-process instead.
+    from simpletuner_site.scheduler import EmbeddedScheduler
+
+    scheduler = EmbeddedScheduler().start()
+    print("Sweeps: embedded scheduler (no REDIS_URL); with Redis run Celery beat instead", flush=True)
+    return scheduler

@@ -1,0 +1,158 @@
+"""`simpletuner server`: apply migrations, print the banner and serve the orchestrator with daphne."""
+
+import os
+from pathlib import Path
+
+from .endpoints import endpoint_string, listen_address, local_worker_endpoint, mask_url, public_url
+from .errors import CLIError
+from .presence import start_embedded_sweeps, start_presence_beacon
+from .tls import cert_fingerprint, ensure_self_signed_cert, load_cert, load_tls_pair
+
+SETTINGS_MODULE = "simpletuner_site.settings"
+ASGI_APPLICATION = "simpletuner_site.asgi:application"
+
+
+def banner_lines(*, settings, url, listen, cert_path=None, fingerprint=None, cert_note="", local_worker=None):
+    """Return the start-up banner; every URL in it has its password masked.
+
+    ``local_worker`` is the built-in local worker's name, or None when it is disabled.
+    """
+    database = settings.DATABASES["default"]
+    if database["ENGINE"].endswith("sqlite3"):
+        db_line = f"SQLite {database['NAME']}"
+    else:
+        db_line = f"{database['ENGINE'].rsplit('.', 1)[-1]} {mask_url(settings.DATABASE_URL)}"
+    if settings.REDIS_URL:
+        mode_line = f"Redis {mask_url(settings.REDIS_URL)} (events across processes, Celery broker)"
+    else:
+        mode_line = "embedded (no REDIS_URL: events and background work stay in this process)"
+    lines = [
+        "SimpleTuner orchestrator",
+        f"  URL          {url}  (listening on {listen})",
+        f"  Data dir     {settings.DATA_DIR}",
+        f"  Database     {db_line}",
+        f"  Mode         {mode_line}",
+    ]
+    if local_worker is None:
+        lines.append("  Local worker disabled (--no-local-worker: jobs with target local wait)")
+    else:
+        lines.append(f"  Local worker {local_worker} (jobs with target local/auto; --no-local-worker to disable)")
+    if cert_path is not None:
+        lines.append(f"  TLS cert     {cert_path}{cert_note}")
+        lines.append(f"  SHA-256      {fingerprint}")
+    lines.append("  API token    python manage.py create_api_token USERNAME --superuser")
+    return lines
+
+
+def run_server(args):
+    """Apply migrations (unless --no-migrate), print the banner and serve until SIGINT/SIGTERM."""
+    if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
+        raise CLIError(
+            "--ssl-certfile and --ssl-keyfile go together: give both, or neither to use a generated certificate",
+            status=2,
+        )
+    supplied_cert = None
+    if args.ssl_certfile is not None:
+        args.ssl_certfile, args.ssl_keyfile = args.ssl_certfile.resolve(), args.ssl_keyfile.resolve()
+        supplied_cert = load_tls_pair(args.ssl_certfile, args.ssl_keyfile)
+
+    os.environ["DJANGO_SETTINGS_MODULE"] = SETTINGS_MODULE
+    import django
+    from django.conf import settings
+    from django.core.exceptions import ImproperlyConfigured
+    from django.core.management import call_command
+    from django.db import DatabaseError, connections
+
+    try:
+        django.setup()
+    except ImproperlyConfigured as exc:
+        raise CLIError(f"configuration: {exc}") from None
+    if args.migrate:
+        try:
+            call_command("migrate", interactive=False, verbosity=1 if args.verbose else 0)
+        except DatabaseError as exc:
+            raise CLIError(f"could not apply migrations: {exc}") from None
+        finally:
+            connections.close_all()  # the server's threads open their own
+
+    cert = certfile = keyfile = fingerprint = None
+    cert_note = ""
+    if supplied_cert is not None:
+        cert, certfile, keyfile = supplied_cert, args.ssl_certfile, args.ssl_keyfile
+        fingerprint = cert_fingerprint(cert)
+    elif args.ssl:
+        certfile, keyfile, created = ensure_self_signed_cert(Path(settings.DATA_DIR) / "tls", args.host)
+        cert = load_cert(certfile)
+        fingerprint = cert_fingerprint(cert)
+        cert_note = " (self-signed, generated now)" if created else " (self-signed)"
+
+    scheme = "https" if certfile else "http"
+    lines = banner_lines(
+        settings=settings,
+        url=public_url(scheme, args.host, args.port),
+        listen=listen_address(args.host, args.port),
+        cert_path=certfile,
+        fingerprint=fingerprint,
+        cert_note=cert_note,
+        local_worker=settings.SIMPLETUNER["LOCAL_WORKER_NAME"] if args.local_worker else None,
+    )
+    print("\n".join(lines), flush=True)
+
+    from daphne.cli import CommandLineInterface
+
+    daphne_args = [
+        "--endpoint",
+        endpoint_string(args.host, args.port, certfile=certfile, keyfile=keyfile),
+        "--verbosity",
+        str(min(args.verbose, 2)),
+    ]
+    if args.access_log:
+        daphne_args += ["--access-log", "-"]
+    if args.proxy_headers:
+        daphne_args.append("--proxy-headers")
+    scheduler = local_worker = None
+    presence = start_presence_beacon()
+    try:
+        scheduler = start_embedded_sweeps(settings)
+        if args.local_worker:
+            local_worker = start_local_worker(
+                settings=settings, host=args.host, port=args.port, cert=cert, certfile=certfile, verbose=args.verbose
+            )
+        if local_worker is not None:
+            from twisted.internet import reactor, threads  # daphne has installed its asyncio reactor by now
+
+            # Stop the agent while the server still answers, so that it can report its job and disconnect.
+            reactor.addSystemEventTrigger("before", "shutdown", threads.deferToThread, local_worker.stop)
+        CommandLineInterface().run([*daphne_args, ASGI_APPLICATION])
+    finally:
+        if local_worker is not None:
+            local_worker.stop()
+        if scheduler is not None:
+            scheduler.stop()
+        presence.stop()
+    return 0
+
+
+def start_local_worker(*, settings, host, port, cert=None, certfile=None, verbose=0):
+    """Start the built-in local worker and return it; None if another server process on the data dir runs it.
+
+    Raise CLIError if its lock file in the data directory cannot be opened.
+    """
+    from .local_worker import LocalWorker
+
+    url, ca_cert = local_worker_endpoint(host, port, cert=cert, certfile=certfile)
+    worker = LocalWorker(
+        url=url,
+        data_dir=settings.DATA_DIR,
+        name=settings.SIMPLETUNER["LOCAL_WORKER_NAME"],
+        ca_cert=ca_cert,
+        verbose=verbose >= 1,
+    )
+    try:
+        started = worker.start()
+    except OSError as exc:
+        raise CLIError(
+            f"local worker: {exc.filename or worker.lock_path}: {exc.strerror} "
+            "(make the data directory writable, or pass --no-local-worker)"
+        ) from None
+    return worker if started else None

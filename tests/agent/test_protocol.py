@@ -1,0 +1,42 @@
+"""The wire contract's strings are pinned: the upstream SimpleTuner agent sends and reads these exact names."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from worker_agent import protocol
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_http_names_are_the_upstream_ones():
+    assert protocol.WORKER_TOKEN_HEADER == "X-Worker-Token"
+    assert [protocol.REGISTER_PATH, protocol.HEARTBEAT_PATH, protocol.STREAM_PATH, protocol.QUEUE_PATH] == [
+        "/api/workers/register",
+        "/api/workers/heartbeat",
+        "/api/workers/stream",
+        "/api/workers/queue",
+    ]
+    assert protocol.DISCONNECT_PATH == "/api/workers/disconnect"
+    assert protocol.job_status_path("j_42") == "/api/workers/job/j_42/status"
+
+
+def test_event_types_statuses_and_codes_are_the_wire_values():
+    events = [protocol.JOB_SUBMIT, protocol.JOB_CANCEL, protocol.DRAIN, protocol.SHUTDOWN, protocol.PING]
+    assert events == ["job_submit", "job_cancel", "drain", "shutdown", "ping"]
+    assert [protocol.STREAM_RESET, protocol.KEEP_ALIVE, protocol.STREAM_OPEN] == ["stream-reset", "keep-alive", "stream-open"]
+    assert protocol.REPORTED_STATUSES == ("starting", "training", "running", "completed", "failed", "cancelled")
+    assert [protocol.AGENT_IDLE, protocol.AGENT_BUSY] == ["idle", "busy"]
+    assert [protocol.TOKEN_REVOKED, protocol.WORKER_DELETED] == ["token_revoked", "worker_deleted"]
+    refusals = [protocol.JOB_NOT_OWNED, protocol.STALE_ATTEMPT, protocol.JOB_CANCELLED]
+    assert refusals == ["job_not_owned", "stale_attempt", "job_cancelled"]
+
+
+def test_protocol_imports_only_the_standard_library():
+    code = (
+        "import sys; before = set(sys.modules); import worker_agent.protocol; "
+        "print(sorted({m.split('.')[0] for m in set(sys.modules) - before} - set(sys.stdlib_module_names)))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "['worker_agent']"

@@ -1,0 +1,198 @@
+"""The wire contract between the orchestrator and its worker agents: the one place its strings live.
+
+Imported by the agent (this package, which never imports Django) and by the server alike. It names
+the HTTP paths and header, the SSE event types and their payloads, the statuses an agent reports,
+the fields of each request and response (as TypedDicts), and the machine-readable codes of every
+refusal an agent acts on. SimpleTuner's own agent speaks a subset of it (``UPSTREAM-PROTOCOL.md``):
+nothing here may change a name that agent sends or reads.
+"""
+
+from typing import Literal, TypedDict  # no NotRequired: the agent supports Python 3.10
+
+# --- HTTP ----------------------------------------------------------------------------------------
+
+WORKER_TOKEN_HEADER = "X-Worker-Token"
+API_PREFIX = "/api/workers/"
+REGISTER_PATH = "/api/workers/register"
+HEARTBEAT_PATH = "/api/workers/heartbeat"
+STREAM_PATH = "/api/workers/stream"
+QUEUE_PATH = "/api/workers/queue"
+DISCONNECT_PATH = "/api/workers/disconnect"
+JOB_STATUS_PATH = "/api/workers/job/{job_id}/status"
+
+
+def job_status_path(job_id):
+    """Return the path an agent POSTs ``job_id``'s status reports to."""
+    return JOB_STATUS_PATH.format(job_id=job_id)
+
+
+# --- SSE events (carried as the `event:` field and as `type` in the JSON data) ------------------
+
+JOB_SUBMIT = "job_submit"
+JOB_CANCEL = "job_cancel"
+DRAIN = "drain"
+SHUTDOWN = "shutdown"
+PING = "ping"  # the upstream agent's keep-alive; ours ignores it
+# Sent by django-eventstream itself: an unknown Last-Event-ID (typed by our stream view), and keep-alives.
+STREAM_RESET = "stream-reset"
+KEEP_ALIVE = "keep-alive"
+STREAM_OPEN = "stream-open"  # django-eventstream's first event on every stream, without data
+
+EventType = Literal["job_submit", "job_cancel", "drain", "shutdown", "ping", "stream-reset"]
+
+
+class JobSubmitEvent(TypedDict):
+    type: Literal["job_submit"]
+    job_id: str
+    config_name: str
+    config: dict
+    dataloader: dict | list | None
+    upload_endpoint: str  # the upstream agent reads it without a default: always present
+    attempt: str  # the attempt's lease id: echoed in every report about this attempt
+    attempt_number: int
+
+
+class JobCancelEvent(TypedDict):
+    type: Literal["job_cancel"]
+    job_id: str
+    attempt: str | None
+
+
+class DrainEvent(TypedDict):
+    type: Literal["drain"]
+    current_job_id: str | None
+
+
+class _ShutdownEventBase(TypedDict):
+    type: Literal["shutdown"]
+    reason: str  # for people; the upstream agent reads it at the top level
+
+
+class ShutdownEvent(_ShutdownEventBase, total=False):
+    code: str  # one of SHUTDOWN_CODES: what an agent decides on
+
+
+# Why the orchestrator ends a worker's stream for good (the ``code`` of a ``shutdown`` event).
+TOKEN_REVOKED = "token_revoked"  # rotated or re-issued: the agent needs a new token
+WORKER_DELETED = "worker_deleted"  # the worker no longer exists: the agent needs a new registration
+SHUTDOWN_CODES = frozenset({TOKEN_REVOKED, WORKER_DELETED})
+# Shutdown codes after which retrying with the same token can never succeed.
+CREDENTIAL_SHUTDOWN_CODES = SHUTDOWN_CODES
+
+
+# --- what an agent reports -----------------------------------------------------------------------
+
+# Job statuses an agent reports on job_status_path(); the first three all mean "running".
+STARTING = "starting"
+TRAINING = "training"
+RUNNING = "running"
+COMPLETED = "completed"
+FAILED = "failed"
+CANCELLED = "cancelled"
+REPORTED_STATUSES = (STARTING, TRAINING, RUNNING, COMPLETED, FAILED, CANCELLED)
+RUNNING_STATUSES = frozenset({STARTING, TRAINING, RUNNING})
+ReportedStatus = Literal["starting", "training", "running", "completed", "failed", "cancelled"]
+
+# The agent's own state in a heartbeat.
+AGENT_IDLE = "idle"
+AGENT_BUSY = "busy"
+AgentStatus = Literal["idle", "busy"]
+
+# Utilisation a heartbeat may carry (the server keeps the latest as the worker's metrics).
+HEARTBEAT_METRIC_FIELDS = (
+    "gpu_utilization",
+    "gpu_memory_used_gb",
+    "gpu_memory_total_gb",
+    "gpus",
+    "cpu_percent",
+    "memory_percent",
+    "memory_used_gb",
+    "load_average",
+)
+
+
+class RegisterRequest(TypedDict, total=False):
+    name: str
+    worker_id: str | None
+    persistent: bool | None
+    current_job_id: str | None  # the job the agent still runs, if any
+    current_attempt: str | None  # and the attempt (lease) it runs it under
+    gpu_info: dict | None  # the upstream agent's nested capabilities: name, vram_gb, count, driver, accelerator
+    gpu_count: int  # the spec's flat capabilities (either shape is accepted)
+    gpu_name: str
+    gpu_vram_gb: float
+    accelerator_type: str
+    gpus: list
+    driver_version: str | None
+    cuda_version: str | None
+    hostname: str
+    agent_version: str
+
+
+class ResumeJob(TypedDict):
+    job_id: str
+    status: str
+    attempt: str | None
+    attempt_number: int
+
+
+class _RegisterResponseBase(TypedDict):
+    worker_id: str
+    status: str
+    worker_type: str
+    draining: bool
+    sse_url: str
+    heartbeat_interval: float
+    dispatch_ack_timeout: float  # seconds the server waits for a dispatch's acknowledgement before requeueing it
+
+
+class RegisterResponse(_RegisterResponseBase, total=False):
+    resume_job: ResumeJob  # the job it reported is still its own: carry on
+    abandon_job: str  # the job it reported is not its own any more: stop it
+
+
+class HeartbeatRequest(TypedDict, total=False):
+    worker_id: str | None
+    status: AgentStatus
+    current_job_id: str | None
+    attempt: str | None  # the attempt of current_job_id; naming it acknowledges a dispatch
+    progress: dict | float | None
+    log_tail: list | str | None
+    # plus any of HEARTBEAT_METRIC_FIELDS
+
+
+class HeartbeatResponse(TypedDict):
+    status: str
+    draining: bool
+    current_job_id: str | None
+
+
+class JobReport(TypedDict, total=False):
+    status: ReportedStatus
+    attempt: str | None  # the lease of the attempt reported on; fences reports of older attempts
+    error: str | None
+    progress: dict | float | None
+    exit_code: int | None
+    log_tail: list | str | None
+
+
+class JobReportResponse(TypedDict):
+    job_id: str
+    status: str
+    accepted: bool
+
+
+class QueueResponse(TypedDict):
+    has_jobs: bool
+
+
+# --- refusals an agent acts on (the ``code`` of a JSON error body) ------------------------------
+
+# 409 on a report or heartbeat: this job is not (or no longer) the agent's to run. Stop it, don't report.
+JOB_NOT_OWNED = "job_not_owned"
+STALE_ATTEMPT = "stale_attempt"
+# 409 on a running report: the job was cancelled; stop it and report ``cancelled``.
+JOB_CANCELLED = "job_cancelled"
+STALE_REPORT_CODES = frozenset({JOB_NOT_OWNED, STALE_ATTEMPT, JOB_CANCELLED})
+# 401: the token is missing, unknown or revoked.
+NOT_AUTHENTICATED = "not_authenticated"

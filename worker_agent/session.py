@@ -1,0 +1,228 @@
+"""The agent's session with the orchestrator: registration, heartbeats, reconnecting, and the SSE stream reader.
+
+``SessionMixin`` holds no state of its own: its methods run on the agent's main thread over the state
+``Agent.__init__`` declares (agent.py). ``StreamReader`` is the one part that runs on its own thread.
+"""
+
+import logging
+import socket
+import threading
+import time
+
+import requests
+
+from . import __version__, protocol
+from .client import AgentError, FatalError, Refused, Rejected, TransientError
+from .sse import SSEParser
+
+logger = logging.getLogger("worker_agent")
+
+STABLE_STREAM_S = 30.0  # a stream that lived this long was healthy: reconnect at once
+EPHEMERAL_GIVE_UP_S = 300.0  # an ephemeral agent stops retrying an unreachable orchestrator after this
+
+
+class StreamReader:
+    """Holds the SSE stream on a daemon thread and posts what it reads to the agent's queue.
+
+    It (re)opens the stream each time ``go()`` is called (after every successful register), resuming
+    with the last event id it saw. It posts ``("sse", Event)``, ``("stream_lost", reason, seconds_open)``
+    and ``("fatal", FatalError)``.
+    """
+
+    def __init__(self, client, post):
+        self._client = client
+        self._post = post
+        self._go = threading.Event()
+        self._stopped = threading.Event()
+        self._response = None
+        self._thread = None
+        self.last_event_id = None
+        self.connected = False
+
+    def start(self):
+        self._thread = threading.Thread(target=self._run, name="sse-stream", daemon=True)
+        self._thread.start()
+        return self
+
+    def go(self):
+        """Open the stream (again): the agent has just registered."""
+        self._go.set()
+
+    def stop(self):
+        """Stop reading: wake the reader by shutting its socket down (closing it from here can block)."""
+        self._stopped.set()
+        self._go.set()
+        response = self._response
+        sock = socket_of(response) if response is not None else None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _run(self):
+        while True:
+            self._go.wait()
+            if self._stopped.is_set():
+                return
+            self._go.clear()
+            try:
+                response = self._client.open_stream(last_event_id=self.last_event_id)
+            except FatalError as exc:
+                self._post(("fatal", exc))
+                return
+            except AgentError as exc:
+                self._post(("stream_lost", str(exc), 0.0))
+                continue
+            self._response = response
+            opened = time.monotonic()
+            self.connected = True
+            reason = "closed by the orchestrator"
+            parser = SSEParser()
+            try:
+                for chunk in response.iter_content(chunk_size=None):
+                    for event in parser.feed(chunk):
+                        if event.id:
+                            self.last_event_id = event.id
+                        self._post(("sse", event))
+                    if self._stopped.is_set():
+                        return
+            except (requests.exceptions.RequestException, OSError, ValueError, AttributeError) as exc:
+                reason = f"connection lost ({exc.__class__.__name__})"
+            finally:
+                self.connected = False
+                self._response = None
+                response.close()
+            if self._stopped.is_set():
+                return
+            self._post(("stream_lost", reason, time.monotonic() - opened))
+
+
+def socket_of(response):
+    """Return the socket under a streamed response, or None (urllib3 2.x internals, best effort)."""
+    raw = getattr(response, "raw", None)
+    connection = getattr(raw, "_connection", None) or getattr(raw, "connection", None)
+    sock = getattr(connection, "sock", None)
+    if sock is not None:
+        return sock
+    try:
+        return raw._fp.fp.raw._sock
+    except AttributeError:
+        return None
+
+
+class SessionMixin:
+    """Registering (and registering again after the stream drops), heartbeats, an unreachable orchestrator."""
+
+    def register(self):
+        body: protocol.RegisterRequest = {
+            "name": self.config.name,
+            "persistent": self.config.persistent,
+            "current_job_id": self.current_job_id(),
+            "hostname": socket.gethostname(),
+            "agent_version": __version__,
+            **self.capabilities,
+        }
+        try:
+            result = self.client.register(body)
+        except FatalError as exc:
+            self.fatal(exc)
+            return
+        except Rejected as exc:
+            self.fatal(FatalError(f"registration refused: {exc}"))
+            return
+        except (TransientError, Refused) as exc:
+            self._unreachable(exc)
+            if self.exit_code is None:
+                delay = self.register_backoff.next_delay(getattr(exc, "retry_after", 0) or 0)
+                logger.warning("Cannot register: %s; retrying in %.0fs", exc, delay)
+                self.register_due = self.clock() + delay
+            return
+        self.register_backoff.reset()
+        self.unreachable_since = None
+        self.registered = True
+        self.register_due = None
+        first = not self.ever_registered
+        self.ever_registered = True
+        self.worker_id = result.get("worker_id")
+        if self.config.heartbeat_interval is None and result.get("heartbeat_interval"):
+            self.heartbeat_interval = float(result["heartbeat_interval"])
+        logger.info(
+            "%s as %s (%s) at %s",
+            "Registered" if first else "Registered again",
+            self.config.name,
+            self.worker_id,
+            self.config.orchestrator_url,
+        )
+        self._reconcile(result)
+        self.next_heartbeat = self.clock() + self.heartbeat_interval
+        self.stream.go()
+        if result.get("draining"):
+            self.start_drain("this worker is draining")
+        elif self.job is None and self.pending_report is None and first:
+            logger.info("Waiting for jobs")
+
+    def _reconcile(self, result):
+        resume = result.get("resume_job")
+        abandon = result.get("abandon_job")
+        if isinstance(resume, dict) and resume.get("job_id") == self.current_job_id():
+            if self.job is not None:
+                if resume.get("attempt"):
+                    self.job.attempt = resume["attempt"]
+                logger.info("The orchestrator confirmed job %s is still ours; it keeps running", self.job.job_id)
+            if self.pending_report is not None:
+                if resume.get("attempt"):
+                    self.pending_report[1]["attempt"] = resume["attempt"]
+                self.report_due = self.clock()
+        elif abandon:
+            self.abandon(str(abandon), "the orchestrator says it is no longer this worker's job")
+
+    def heartbeat(self):
+        body: protocol.HeartbeatRequest = {
+            "status": protocol.AGENT_BUSY if self.current_job_id() else protocol.AGENT_IDLE,
+            "current_job_id": self.current_job_id(),
+        }
+        if self.job is not None:
+            body["progress"] = self.job.snapshot()[0] or None
+        sample = self.monitor.sample()
+        body.update({field: sample[field] for field in protocol.HEARTBEAT_METRIC_FIELDS if field in sample})
+        self.next_heartbeat = self.clock() + self.heartbeat_interval
+        try:
+            result = self.client.heartbeat(body)
+        except Refused as exc:
+            if exc.abandon_job:
+                self._refused(str(exc.abandon_job), exc)
+            return
+        except FatalError as exc:
+            self.fatal(exc)
+            return
+        except (TransientError, Rejected) as exc:
+            if not self.heartbeat_failing:
+                logger.warning("Heartbeat failed: %s", exc)
+            self.heartbeat_failing = True
+            self._unreachable(exc)
+            return
+        if self.heartbeat_failing:
+            logger.info("Heartbeats reach the orchestrator again")
+        self.heartbeat_failing = False
+        self.unreachable_since = None
+        if result.get("draining"):
+            self.start_drain("this worker is draining")
+
+    def _unreachable(self, exc):
+        """Count an unreachable orchestrator; an ephemeral agent gives up after EPHEMERAL_GIVE_UP_S."""
+        now = self.clock()
+        if self.unreachable_since is None:
+            self.unreachable_since = now
+        if not self.config.persistent and now - self.unreachable_since >= EPHEMERAL_GIVE_UP_S:
+            self.fatal(FatalError(f"gave up after {int(now - self.unreachable_since)}s without the orchestrator: {exc.message}", fix=exc.fix))
+
+    def on_stream_lost(self, reason, seconds_open):
+        if self.exit_code is not None:
+            return
+        self.registered = False
+        delay = 0.0 if seconds_open >= STABLE_STREAM_S else self.register_backoff.next_delay()
+        if seconds_open >= STABLE_STREAM_S:
+            self.register_backoff.reset()
+        logger.warning("Stream to the orchestrator lost (%s); reconnecting in %.0fs", reason, delay)
+        self.register_due = self.clock() + delay

@@ -1,0 +1,29 @@
+"""Reads about workers that need more than a filter."""
+
+from datetime import timedelta
+
+from django.db.models import Count, Min, Q
+
+from .models import ServerPresence
+from .services import presence_interval
+
+
+def servers_silent_reason(*, now, timeout):
+    """Return why workers' silence for ``timeout`` seconds proves nothing right now, or None.
+
+    Silence proves something only if a server was up to hear them. Servers record their presence
+    (``ServerPresence``); with no record at all (servers that do not record it, unit tests) silence
+    counts as before. Otherwise it counts only while a server is alive and some live server has been
+    up for the whole ``timeout`` (the heartbeat timeout for the health sweep, the acknowledgement
+    timeout for the dispatch-ack sweep).
+    """
+    live_after = now - timedelta(seconds=1.5 * presence_interval())
+    seen = ServerPresence.objects.aggregate(
+        up_since=Min("started_at", filter=Q(last_seen__gte=live_after)), servers=Count("pk")
+    )
+    up_since = seen["up_since"]
+    if up_since is None:
+        return "no orchestrator server is up to hear the workers" if seen["servers"] else None
+    if up_since > now - timedelta(seconds=timeout):
+        return f"the orchestrator servers have been up only {(now - up_since).total_seconds():.0f} s"
+    return None
