@@ -264,7 +264,9 @@ class LocalWorker:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # Ctrl-C in the terminal reaches the server only; stop() signals the agent
-                preexec_fn=parent_death_signal(),
+                # Killed with the server, even one killed -9: without its server it can neither take nor
+                # report a job, and a restarted server provisions a new one (its trainer dies with it).
+                preexec_fn=parent_death_signal(signal.SIGKILL),
             )
             self._spawned_at = self._clock()
             return self._process

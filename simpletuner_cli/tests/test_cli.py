@@ -4,6 +4,7 @@ import hashlib
 import ipaddress
 import os
 import re
+import shlex
 import socket
 import sqlite3
 import ssl
@@ -220,6 +221,45 @@ def test_server_runs_the_local_worker_and_takes_it_down_with_it(start_server, tm
     # The agent was stopped while the server still answered: its goodbye was heard.
     assert "worker.disconnected" in _audit_actions(db_path, worker_id)
     assert _local_workers(db_path)[0][2] == "offline"
+
+
+@pytest.mark.e2e
+def test_the_local_worker_and_its_trainer_die_with_a_server_killed_9(start_server, tmp_path):
+    data_dir = tmp_path / "data"
+    trainer = shlex.join([sys.executable, "-m", "worker_agent.example_trainer"])
+    server = start_server(data_dir=data_dir, env={"SIMPLETUNER_WORKER_COMMAND": trainer})
+    base = f"http://127.0.0.1:{server.port}"
+    server.wait_until_unauthorized(f"{base}/api/admin/workers")
+    _wait_for_idle_local_worker(server, data_dir / "orchestrator.sqlite3")
+    [agent] = _agents_of(server)
+    token = _api_token(data_dir)
+    submitted = requests.post(
+        f"{base}/api/queue/submit",
+        json={"config_name": "long", "target": "local", "config": {"max_train_steps": 10_000, "step_delay": 0.05}},
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=10,
+    )
+    assert submitted.status_code == 201, submitted.text
+    [job_trainer] = poll(lambda: agent.children(recursive=True) or None, timeout=20, message="the trainer to start")
+
+    server.process.kill()  # no chance to stop its local worker
+    server.process.wait(timeout=STOP_GRACE_S)
+
+    # A busy agent would finish its job on SIGTERM; without its server it could report nothing, so the
+    # kernel kills it with its parent, and its trainer with it.
+    poll(lambda: _gone(agent) and _gone(job_trainer), timeout=STOP_GRACE_S, message="the local worker and trainer to die")
+
+
+def _api_token(data_dir):
+    """Return a new superuser API token for the server whose data lives in ``data_dir``."""
+    env = {**os.environ, "SIMPLETUNER_DATA_DIR": str(data_dir)}
+    for name in ("DATABASE_URL", "REDIS_URL"):
+        env.pop(name, None)
+    out = subprocess.run(
+        [sys.executable, "manage.py", "create_api_token", "admin", "--superuser"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=True, timeout=60,
+    )
+    return out.stdout.strip().splitlines()[-1]
 
 
 def _wait_for_idle_local_worker(server, db_path, timeout=START_DEADLINE_S):
