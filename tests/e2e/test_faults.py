@@ -496,6 +496,53 @@ def test_lost_dispatch_is_requeued_without_spending_a_retry(server, stage):
     assert len(proxy.dropped) == 1
 
 
+def test_a_dispatch_acknowledged_only_by_heartbeats_naming_it_is_never_requeued(server, stage):
+    """The deterministic repro of a job run twice: job_submit received, `starting` never sent (it was
+    lost), heartbeats naming the job accepted. A heartbeat naming the job is an acknowledgement."""
+    worker = stage.worker()
+    worker.register()
+    stream = stage.fleet.open_stream(worker)
+    job_id = stage.fleet.submit({"config_name": "ack-by-heartbeat", "worker_labels": {"pool": stage.fleet.tag}})["job_id"]
+    submit = stream.wait_for("job_submit", where=lambda e: e.json()["job_id"] == job_id)
+    attempt = submit.json()["attempt"]
+
+    # Heartbeats naming the job (and its attempt) for well over the acknowledgement deadline.
+    deadline = time.monotonic() + ACK_DEADLINE_S
+    beats = 0
+    while time.monotonic() < deadline:
+        worker.heartbeat({"worker_id": worker.id, "status": "busy", "current_job_id": job_id, "attempt": attempt})
+        beats += 1
+        time.sleep(HEARTBEAT_INTERVAL_S)
+
+    job = server.job(job_id)
+    assert beats >= 8
+    assert (job["status"], job["worker_id"], job["attempt_count"], job["retry_count"]) == ("running", worker.id, 1, 0), job
+    assert requeues(server, job_id) == []
+    worker.report(job_id, "completed", attempt=attempt)
+    assert server.job(job_id)["status"] == "completed"
+
+
+def test_a_late_completion_of_a_lost_attempt_is_kept_when_nothing_ran_the_job_since(server, stage):
+    """A worker that went silent mid-job (its job requeued) finishes it after all and says so with its
+    attempt: the result is kept and the job does not run again."""
+    worker = stage.worker()
+    worker.register()
+    stream = stage.fleet.open_stream(worker)
+    job_id = stage.fleet.submit({"config_name": "late", "worker_labels": {"pool": stage.fleet.tag}})["job_id"]
+    attempt = stream.wait_for("job_submit", where=lambda e: e.json()["job_id"] == job_id).json()["attempt"]
+    worker.report(job_id, "starting", attempt=attempt)
+    stream.close()  # and silence: no heartbeat until the health sweep has taken the worker offline
+
+    job_when(server, job_id, lambda j: j["status"] == "queued", timeout=LOST_DEADLINE_S, message="the job requeued")
+    worker.report(job_id, "completed", attempt=attempt, exit_code=0)
+
+    job = server.job(job_id)
+    assert (job["status"], job["attempt_count"], job["retry_count"]) == ("completed", 1, 0), job
+    assert attempts(job) == [(worker.id, "completed")]
+    (recovered,) = audit_rows(server, target_id=job_id, action="job.completion_recovered")
+    assert recovered["details"]["was"] == "lost"
+
+
 # --- 6. drain survives the agent's restart -------------------------------------------------------------
 
 
