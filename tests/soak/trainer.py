@@ -1,0 +1,61 @@
+"""The soak's trainer: sleeps a seeded while, reports progress, then appends one line to the completion ledger.
+
+The agent runs it as it runs any trainer (``CONFIG_PATH``, ``SIMPLETUNER_JOB_ID``, ``SIMPLETUNER_ATTEMPT``
+in its environment). The config names the ledger file and the seed: the run lasts
+``uniform(min_seconds, max_seconds)`` drawn from ``"<seed>:<job id>"`` (the same for every attempt of a
+job), printed as ``SIMPLETUNER_PROGRESS`` steps. Its very last act is one ``write()`` of one JSON line
+``{"job_id", "attempt", "pid", "time", "job_dir"}`` to the ledger, opened ``O_APPEND`` and fsynced, then
+exit 0: a ledger line is a trainer that completed, and the soak's audit counts them per job. SIGTERM
+(the agent stopping it, or its agent's death) ends it at once with no line, as it would a real run.
+"""
+
+import json
+import os
+import random
+import sys
+import time
+
+from worker_agent.progress import report
+
+STEPS = 10
+
+
+def append_line(path, record):
+    """Append ``record`` as one JSON line to ``path`` with a single write, and fsync it."""
+    line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        written = os.write(fd, line)
+        if written != len(line):
+            raise OSError(f"short write to the ledger: {written} of {len(line)} bytes")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def main():
+    with open(os.environ["CONFIG_PATH"], encoding="utf-8") as handle:
+        config = json.load(handle)
+    job_id = os.environ["SIMPLETUNER_JOB_ID"]
+    rng = random.Random(f"{config['soak_seed']}:{job_id}")
+    seconds = rng.uniform(float(config["min_seconds"]), float(config["max_seconds"]))
+    attempt = os.environ.get("SIMPLETUNER_ATTEMPT") or None
+    print(f"soak trainer: job {job_id} attempt {attempt} runs {seconds:.2f}s", flush=True)
+    for step in range(1, STEPS + 1):
+        time.sleep(seconds / STEPS)
+        report(step, STEPS, loss=1.0 / step)
+    append_line(
+        config["ledger"],
+        {
+            "job_id": job_id,
+            "attempt": attempt,
+            "pid": os.getpid(),
+            "time": time.time(),
+            "job_dir": os.environ.get("SIMPLETUNER_JOB_DIR", ""),
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
