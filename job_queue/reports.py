@@ -91,7 +91,9 @@ def job_report(*, worker_id, job_id, data, actor):
         if late:
             # The attempt was taken back (its worker went silent, or never acknowledged) but did finish,
             # and nothing has run the job since: keep the result rather than run it again.
-            jobs_recover_completion(job=job, attempt=late, actor=actor, **_progress_fields(data))
+            jobs_recover_completion(
+                job=job, attempt=late, actor=actor, journal=bool(data.get("journal")), **_progress_fields(data)
+            )
             return {"job_id": job.pk, "status": job.status, "accepted": True}
         refusal = None
         if job.worker_id != worker.pk:
@@ -120,6 +122,7 @@ def job_report(*, worker_id, job_id, data, actor):
 
 def _apply_report(*, job, worker, raw, target, error, data, actor):
     fields = _progress_fields(data)
+    said = f"{raw} ({protocol.FROM_JOURNAL})" if data.get("journal") else raw
     owns_worker = worker.current_job_id == job.pk
 
     if job.status == JobStatus.CANCELLED:  # the agent confirms the process stopped
@@ -147,7 +150,7 @@ def _apply_report(*, job, worker, raw, target, error, data, actor):
         progress = fields.pop("progress", None) or dict(job.progress or {})
         progress["fraction"] = 1.0
         jobs_transition(
-            jobs=[job], to=JobStatus.COMPLETED, actor=actor, reason=raw, finished_at=now, progress=progress, **fields
+            jobs=[job], to=JobStatus.COMPLETED, actor=actor, reason=said, finished_at=now, progress=progress, **fields
         )
     elif target == JobStatus.FAILED and not job.retry_on_failure:
         reason = error or "trainer failed"

@@ -14,6 +14,7 @@ from audit import actions
 from audit.services import audit_events, audit_write
 from common import outbox
 from common.errors import InvalidTransition
+from worker_agent import protocol
 
 from . import events
 from .models import JOB_TRANSITIONS, AttemptOutcome, Job, JobAttempt, JobStatus
@@ -111,7 +112,7 @@ def recoverable_attempt(*, job, worker, lease_id):
     ).first()
 
 
-def jobs_recover_completion(*, job, attempt, actor, now=None, **fields):
+def jobs_recover_completion(*, job, attempt, actor, journal=False, now=None, **fields):
     """Complete locked queued ``job`` with its lost ``attempt``, whose worker finished it after all.
 
     The requeue is undone: the attempt ends ``completed``, a retry its loss spent is given back, and
@@ -125,6 +126,8 @@ def jobs_recover_completion(*, job, attempt, actor, now=None, **fields):
     progress = fields.pop("progress", None) or dict(job.progress or {})
     progress["fraction"] = 1.0
     reason = f"late completion of attempt {attempt.number} on {attempt.worker_name}: its requeue is cancelled"
+    if journal:
+        reason += f" ({protocol.FROM_JOURNAL})"
     jobs_transition(
         jobs=[job],
         to=JobStatus.COMPLETED,
@@ -146,7 +149,18 @@ def jobs_recover_completion(*, job, attempt, actor, now=None, **fields):
             actor=actor,
             action=actions.JOB_COMPLETION_RECOVERED,
             target_type="job",
-            rows=[(job.pk, {"attempt": attempt.number, "lease": attempt.lease_id, "was": attempt.outcome, "retry_refunded": refund})],
+            rows=[
+                (
+                    job.pk,
+                    {
+                        "attempt": attempt.number,
+                        "lease": attempt.lease_id,
+                        "was": attempt.outcome,
+                        "retry_refunded": refund,
+                        "journal": journal,
+                    },
+                )
+            ],
         )
     )
     return job

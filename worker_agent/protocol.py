@@ -174,6 +174,11 @@ class JobReport(TypedDict, total=False):
     progress: dict | float | None
     exit_code: int | None
     log_tail: list | str | None
+    journal: bool  # the outcome was read back from the agent's job directory after the agent restarted
+
+
+# The reason a report read back from an agent's journal gives in the job's audit trail.
+FROM_JOURNAL = "from the agent's journal"
 
 
 class JobReportResponse(TypedDict):

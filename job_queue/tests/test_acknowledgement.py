@@ -161,7 +161,9 @@ def test_a_late_completion_of_a_lost_attempt_completes_the_job_and_cancels_the_r
     assert (job.exit_code, job.log_tail, job.progress["fraction"]) == (0, "done", 1.0)
     assert _reload(attempt).outcome == AttemptOutcome.COMPLETED
     (recovered,) = audit_rows(actions.JOB_COMPLETION_RECOVERED, target_id=job.pk)
-    assert recovered.details == {"attempt": 1, "lease": attempt.lease_id, "was": "lost", "retry_refunded": True}
+    assert recovered.details == {
+        "attempt": 1, "lease": attempt.lease_id, "was": "lost", "retry_refunded": True, "journal": False,
+    }
     # Nothing dispatches it again.
     assert Job.objects.get(pk=job.pk).attempt_count == 1
 
@@ -208,3 +210,16 @@ def test_a_late_failure_of_a_lost_attempt_is_still_refused(worker_client, settin
 
     assert response.status_code == 409
     assert _reload(job).status == JobStatus.QUEUED
+
+
+def test_a_completion_read_back_from_the_agents_journal_says_so_in_the_audit_trail(worker_client):
+    worker = WorkerFactory()
+    job = job_on_worker(worker, status=JobStatus.RUNNING)
+
+    response = worker_client(worker).post(
+        _status_path(job), {"status": "completed", "attempt": job.lease_id, "journal": True}, format="json"
+    )
+
+    assert response.status_code == 200
+    (completed,) = [r for r in audit_rows(actions.JOB_STATUS_CHANGED, target_id=job.pk) if r.details["to"] == "completed"]
+    assert completed.details["reason"] == "completed (from the agent's journal)"

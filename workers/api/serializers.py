@@ -113,6 +113,9 @@ class JobStatusReportSerializer(serializers.Serializer):
     attempt = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=40)
     exit_code = serializers.IntegerField(required=False, allow_null=True)
     log_tail = serializers.JSONField(required=False, allow_null=True)
+    journal = serializers.BooleanField(
+        required=False, default=False, help_text="The outcome was read back from the agent's journal after it restarted."
+    )
 
 
 class WorkerIdSerializer(serializers.Serializer):
