@@ -111,7 +111,7 @@ def worker_heartbeat(*, worker_id, data, actor):
                 success=False,
             )
         else:
-            _record_heartbeat(worker=worker, data=data, reported_job_id=reported_job_id, now=now, actor=actor)
+            held = _record_heartbeat(worker=worker, data=data, reported_job_id=reported_job_id, now=now, actor=actor)
     if refused:
         raise StaleReport(
             f"job {reported_job_id} is not assigned to worker {worker.name}; stop it",
@@ -122,11 +122,16 @@ def worker_heartbeat(*, worker_id, data, actor):
         "status": worker.status,
         "draining": worker.drain_requested_at is not None,
         "current_job_id": worker.current_job_id,
+        # The attempt the worker holds the job it named under: an agent naming another attempt was not acknowledged.
+        "current_attempt": held.lease_id if held is not None else None,
     }
 
 
 def _record_heartbeat(*, worker, data, reported_job_id, now, actor):
-    """Write a heartbeat of the locked ``worker``: liveness, metrics, progress, and any state it implies."""
+    """Write a heartbeat of the locked ``worker``: liveness, metrics, progress, and any state it implies.
+
+    Return the job the heartbeat named (it is the worker's own), or None.
+    """
     metrics = {k: data[k] for k in protocol.HEARTBEAT_METRIC_FIELDS if k in data}
     fields = {"last_heartbeat": now}
     if metrics:
@@ -149,9 +154,11 @@ def _record_heartbeat(*, worker, data, reported_job_id, now, actor):
             jobs_acknowledge(jobs=[job], actor=actor, reason="heartbeat names the job", now=now)
         if data.get("progress") is not None:
             job_record_progress(job_id=worker.current_job_id, worker=worker, data=data)
-    elif worker.current_job_id:
+        return job
+    if worker.current_job_id:
         # The agent runs nothing: a cancelled job it held is over, so the worker is free again.
         job_reconcile_idle_agent(worker=worker, actor=actor)
+    return None
 
 
 def worker_disconnect(*, worker_id, actor, reason="agent disconnected"):

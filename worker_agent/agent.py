@@ -4,16 +4,28 @@ All state lives on the main thread. The stream reader, the job's waiter and the 
 post messages to its queue, so every decision (start, stop, report, exit) is taken in one place.
 
 Rules (README, "The worker agent"):
-- A job is acknowledged with ``starting`` before its process starts; a refusal (409) skips it, so a
+- A dispatch's trainer starts only once the dispatch is acknowledged: ``starting`` answered 200, a
+  heartbeat naming the job and attempt answered with the job as this worker's, or a re-register naming
+  them answered with ``resume_job``. Transient failures are retried with backoff (the loop goes on)
+  until ``dispatch_ack_timeout`` (register response; 60 s by default) after the job_submit arrived;
+  then the job is given up without running and nothing is reported. A refusal (409) drops it, so a
   replayed or stale dispatch never runs. ``running`` follows once the process is up, then progress
   (at most once a second), then exactly one terminal report, retried until the orchestrator answers.
+- A result is written to ``<job dir>/outcome.json`` (journal.py) before it is reported, and renamed
+  ``outcome.reported.json`` once the orchestrator answered. At start-up, and before every
+  re-registration, results not delivered yet are reported first (with their attempt).
 - A 409 on any report or heartbeat naming our job means it is no longer ours: the process is stopped
   and nothing more is reported for it (``abandon``).
 - After the stream drops, the agent registers again, reporting the job it runs (``resume_job`` keeps
   it, ``abandon_job`` stops it), then reopens the stream with Last-Event-ID.
-- First SIGTERM/SIGINT: take no new job, let the running one finish and report it, disconnect, exit 0.
-  Second: stop the job now and disconnect (the orchestrator requeues the job by its retry rules and
-  takes the worker offline in the same step), exit 0. Third: kill the job and exit at once (status 1).
+- First SIGTERM/SIGINT: take no new job, let the running trainer finish and report it, disconnect,
+  exit 0. Without a running trainer the agent leaves within seconds: a dispatch awaiting its
+  acknowledgement is given up (not started; disconnecting hands it back); a result not delivered yet
+  gets one more try, and otherwise stays in its journal for the next start (exit 0, no disconnect).
+  A call blocked on an unresponsive orchestrator is interrupted, and calls made while stopping use
+  short timeouts. Second: stop the job now and disconnect (the orchestrator requeues the job by its
+  retry rules and takes the worker offline in the same step), exit 0. Third: kill the job and exit at
+  once (status 1).
 - Ephemeral: exit 0 after one job is reported, or when drained while idle. Persistent: stay.
 
 This module holds the loop, the message dispatch, drain, signals and exit. The Agent class composes
@@ -28,11 +40,11 @@ import signal
 import threading
 import time
 
-from . import __version__, protocol
+from . import __version__, journal, protocol
 from .backoff import Backoff
-from .client import AgentError, FatalError, OrchestratorClient
+from .client import AgentError, FatalError, Interrupted, OrchestratorClient
 from .gpu import GpuMonitor, describe
-from .jobs import PROGRESS_REPORT_INTERVAL, JobsMixin
+from .jobs import ACK_RETRY_CAP, DEFAULT_DISPATCH_ACK_TIMEOUT, PROGRESS_REPORT_INTERVAL, JobsMixin
 from .runner import STOP_AGENT_EXIT, JobRun, parse_command
 from .session import SessionMixin, StreamReader
 
@@ -60,11 +72,13 @@ class Agent(SessionMixin, JobsMixin):
         self.clock = clock
         self.run_factory = run_factory
         self.command = parse_command(config.command)
-        self.inbox = queue.Queue()
+        self.inbox = queue.SimpleQueue()  # put() is reentrant: the signal handler posts to it
         self.stream = stream or StreamReader(self.client, self.inbox.put)
         self.register_backoff = Backoff()
         self.report_backoff = Backoff(cap=30.0)
+        self.ack_backoff = Backoff(cap=ACK_RETRY_CAP)
         self.heartbeat_interval = config.heartbeat_interval or 30.0
+        self.dispatch_ack_timeout = DEFAULT_DISPATCH_ACK_TIMEOUT  # the register response's, once registered
         self.capabilities = {}
         self.worker_id = None
         self.registered = False
@@ -74,7 +88,10 @@ class Agent(SessionMixin, JobsMixin):
         self.heartbeat_failing = False
         self.unreachable_since = None
         self.job = None  # the JobRun in progress
+        self.pending_ack = None  # the PendingAck of a dispatch whose trainer waits for its acknowledgement
         self.pending_report = None  # (job_id, body) of a finished job whose result is not delivered yet
+        self.pending_journal = None  # the outcome.json holding pending_report, if it could be written
+        self.journaled = []  # [(path, job_id, body)]: results found on disk at start-up, not delivered yet
         self.report_due = None
         self.waiting = []  # job_submit payloads that arrived while busy
         self.finished_attempts = []
@@ -83,7 +100,8 @@ class Agent(SessionMixin, JobsMixin):
         self.last_console = None
         self.console_version = -1
         self.draining = False
-        self.signals = 0
+        self.signals = 0  # signals handled by the main loop
+        self.signals_caught = 0  # signals received by the handler (counted before the loop sees them)
         self.exit_code = None
         self.jobs_reported = 0
 
@@ -96,14 +114,17 @@ class Agent(SessionMixin, JobsMixin):
         self.stream.start()
         try:
             while self.exit_code is None:
-                self.tick()
-                if self.exit_code is not None:
-                    break
                 try:
-                    message = self.inbox.get(timeout=self._wait_time())
-                except queue.Empty:
-                    continue
-                self.handle(message)
+                    self.tick()
+                    if self.exit_code is not None:
+                        break
+                    try:
+                        message = self.inbox.get(timeout=self._wait_time())
+                    except queue.Empty:
+                        continue
+                    self.handle(message)
+                except Interrupted:
+                    continue  # a signal broke a call just as it ended; the signal's message is queued
         finally:
             self._shut_down()
         return self.exit_code
@@ -121,6 +142,13 @@ class Agent(SessionMixin, JobsMixin):
             )
         logger.info("Training command: %s", " ".join(self.command))
         logger.info("Job directories: %s", self.config.work_dir)
+        self.journaled = journal.undelivered(self.config.work_dir)
+        if self.journaled:
+            logger.info(
+                "%d job result(s) from before this start not delivered yet (%s): reporting them before registering",
+                len(self.journaled),
+                ", ".join(job_id for _, job_id, _ in self.journaled),
+            )
         logger.info("Connecting to %s", self.config.orchestrator_url)
         self.register_due = self.clock()
 
@@ -137,11 +165,23 @@ class Agent(SessionMixin, JobsMixin):
         if threading.current_thread() is not threading.main_thread():
             return
         for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda number, frame: self.inbox.put(("signal", number)))
+            signal.signal(signum, self.on_os_signal)
+
+    def on_os_signal(self, signum, frame=None):
+        """The signal handler (main thread): post the signal to the loop; break a blocked call if the
+        agent is about to leave (no trainer running, or a second signal)."""
+        self.inbox.put(("signal", signum))
+        self.signals_caught += 1
+        if self.job is None or self.signals_caught > 1:
+            self.client.interrupt()  # raises Interrupted into the call the main thread is blocked in, if any
 
     def _wait_time(self):
         now = self.clock()
         due = [t for t in (self.register_due, self.next_heartbeat, self.report_due) if t is not None]
+        if self.pending_ack is not None:
+            due.append(self.pending_ack.deadline)
+            if self.pending_ack.due is not None:
+                due.append(self.pending_ack.due)
         if self.job is not None:
             due.append((self.last_progress_report or now) + PROGRESS_REPORT_INTERVAL)
         if not due:
@@ -153,8 +193,10 @@ class Agent(SessionMixin, JobsMixin):
     def tick(self):
         """Do whatever is due: register, heartbeat, progress, a pending result."""
         now = self.clock()
-        if self.register_due is not None and now >= self.register_due:
+        if self.register_due is not None and now >= self.register_due and self._delivered_before_registering():
             self.register()
+        if self.exit_code is None and self.pending_ack is not None:
+            self.check_acknowledgement()
         if self.exit_code is None and self.next_heartbeat is not None and now >= self.next_heartbeat:
             self.heartbeat()
         if self.exit_code is None and self.pending_report is not None and self.report_due is not None and now >= self.report_due:
@@ -162,6 +204,24 @@ class Agent(SessionMixin, JobsMixin):
         if self.exit_code is None and self.job is not None and self.job.running:
             self.report_progress()
             self._console_progress()
+
+    def _delivered_before_registering(self):
+        """Report what must reach the orchestrator before this worker registers; return True when it has.
+
+        A registration that does not name a job makes the orchestrator take that job back; a result
+        reported first is applied (or refused) as it is. Journaled results from before this start go
+        first, then a result held in memory (after a dropped stream).
+        """
+        if self.journaled and not self.deliver_journaled():
+            return False
+        if self.pending_report is not None and self.exit_code is None:
+            if self.report_due is None or self.report_due <= self.clock():
+                self.deliver_report()
+            if self.pending_report is not None:
+                if self.exit_code is None:
+                    self.register_due = self.report_due  # registers once it is delivered
+                return False
+        return self.exit_code is None and self.register_due is not None
 
     # --- messages -----------------------------------------------------------------------------
 
@@ -215,13 +275,23 @@ class Agent(SessionMixin, JobsMixin):
 
     def on_signal(self, signum):
         self.signals += 1
+        self.client.stopping()
         name = signal.Signals(signum).name
         job_id = self.current_job_id()
         if self.signals == 1:
-            if job_id is None:
-                self.leave(f"{name} received")
-            else:
+            if self.job is not None:
                 logger.info("%s: finishing job %s, then exiting (send it again to stop the job now)", name, job_id)
+            elif self.pending_ack is not None:
+                logger.info(
+                    "%s: job %s not started (its dispatch was not acknowledged yet); disconnecting hands it back", name, job_id
+                )
+                self._drop_ack()
+                self.leave(f"{name} received")
+            elif self.pending_report is not None:
+                logger.info("%s: reporting the result of job %s once more, then exiting", name, job_id)
+                self.deliver_report()  # delivered: leaves; not: exits keeping it in its journal
+            else:
+                self.leave(f"{name} received")
         elif self.signals == 2 and self.job is not None:
             logger.info("%s again: stopping job %s now", name, job_id)
             self.job.stop(STOP_AGENT_EXIT)

@@ -1,6 +1,7 @@
 """The agent's HTTP side of the worker protocol, with every failure sorted into fatal, transient or refused."""
 
 import logging
+import threading
 from urllib.parse import urlsplit
 
 import requests
@@ -9,7 +10,8 @@ from . import __version__, protocol
 
 logger = logging.getLogger(__name__)
 
-HTTP_TIMEOUT = (10, 30)  # (connect, read) seconds for every call but the stream
+HTTP_TIMEOUT = (5, 15)  # (connect, read) seconds for every call but the stream
+STOPPING_TIMEOUT = (2, 3)  # once the agent is stopping: its last calls (a report, disconnect) must not hold it up
 STREAM_READ_TIMEOUT = 65  # the orchestrator sends a keep-alive every 20 s; three missed means a dead link
 
 FIX_UNREACHABLE = (
@@ -67,6 +69,14 @@ class Refused(AgentError):
         self.abandon_job = abandon_job
 
 
+class Interrupted(BaseException):
+    """Raised by ``OrchestratorClient.interrupt()`` (from a signal handler) into the call it interrupts.
+
+    A BaseException, like KeyboardInterrupt, so that no library code on the way swallows it; the
+    client turns it into a TransientError before it leaves the call.
+    """
+
+
 class Rejected(AgentError):
     """Any other 4xx: the request itself was wrong; retrying it unchanged cannot succeed."""
 
@@ -111,6 +121,7 @@ class OrchestratorClient:
         # session-level setting, which would silently ignore --ca-cert and --ssl-no-verify.
         self.verify = verify
         self.worker_id = None
+        self._local = threading.local()  # in_call: this thread is inside a call interrupt() may break
 
     def url(self, path):
         return f"{self.base_url}{path}"
@@ -159,14 +170,37 @@ class OrchestratorClient:
     def close(self):
         self.session.close()
 
+    # --- stopping -------------------------------------------------------------------------------
+
+    def stopping(self):
+        """Use STOPPING_TIMEOUT from now on: the agent is leaving and must not wait long on anyone."""
+        self.timeout = STOPPING_TIMEOUT
+
+    def interrupt(self):
+        """Break the call the current thread is blocked in (if any) by raising Interrupted into it.
+
+        Meant for a signal handler: it runs on the main thread, between the interrupted system call
+        and its retry, so the request ends at once (as a TransientError) instead of at its timeout.
+        Outside a call it does nothing.
+        """
+        if getattr(self._local, "in_call", False):
+            self._local.in_call = False
+            raise Interrupted()
+
     # --- transport and error sorting --------------------------------------------------------------
 
     def _call(self, method, path, **kwargs):
-        response = self._send(method, path, **kwargs)
+        self._local.in_call = True
         try:
-            return _body(response)
+            response = self._send(method, path, **kwargs)
+            try:
+                return _body(response)
+            finally:
+                response.close()
+        except Interrupted:
+            raise TransientError(f"{method} {path} interrupted: the agent is stopping") from None
         finally:
-            response.close()
+            self._local.in_call = False
 
     def _send(self, method, path, *, timeout=None, **kwargs):
         url = self.url(path)

@@ -2,11 +2,17 @@
 
 ``JobsMixin`` holds no state of its own: its methods run on the agent's main thread over the state
 ``Agent.__init__`` declares (agent.py).
+
+A dispatched job waits in ``pending_ack`` until its dispatch is acknowledged (README, "The worker
+agent"); only then does its trainer start. A finished job's result is journaled (journal.py) before it
+is reported, and stays in ``pending_report`` until the orchestrator answers.
 """
 
 import logging
+from dataclasses import dataclass
+from pathlib import Path
 
-from . import protocol
+from . import journal, protocol
 from . import progress as progress_protocol
 from .client import FatalError, Refused, Rejected, TransientError
 from .runner import STOP_ABANDON, STOP_AGENT_EXIT, STOP_CANCEL, describe_exit
@@ -16,6 +22,27 @@ logger = logging.getLogger("worker_agent")
 PROGRESS_REPORT_INTERVAL = 1.0  # at most one progress report a second
 CONSOLE_PROGRESS_INTERVAL = 5.0
 FINISHED_ATTEMPTS_KEPT = 100
+# How long a dispatch may wait for its acknowledgement when the orchestrator does not say
+# (``dispatch_ack_timeout`` in the register response); measured from the job_submit's arrival.
+DEFAULT_DISPATCH_ACK_TIMEOUT = 60.0
+ACK_RETRY_CAP = 10.0  # the acknowledgement's backoff cap: several tries fit in the deadline
+RECEIVED_KEY = "_received"  # added to a job_submit kept in ``waiting``: when it arrived (agent clock)
+
+
+@dataclass
+class PendingAck:
+    """A dispatched job whose trainer may start only once its dispatch is acknowledged.
+
+    ``deadline`` (agent clock) is when it is given up without running; ``due`` is when ``starting``
+    is sent again after a transient failure (None: no retry scheduled).
+    """
+
+    data: dict
+    job_id: str
+    attempt: str | None
+    received: float
+    deadline: float
+    due: float | None = None
 
 
 def _exit_code_field(code):
@@ -38,10 +65,23 @@ class JobsMixin:
     """One job at a time: submit, acknowledge, start, progress, the result (retried until delivered), cancel, abandon."""
 
     def current_job_id(self):
+        """Return the job this agent holds: running, awaiting its acknowledgement, or awaiting its result's delivery."""
         if self.job is not None:
             return self.job.job_id
+        if self.pending_ack is not None:
+            return self.pending_ack.job_id
         if self.pending_report is not None:
             return self.pending_report[0]
+        return None
+
+    def current_attempt(self):
+        """Return the attempt (lease id) of ``current_job_id()``, or None."""
+        if self.job is not None:
+            return self.job.attempt
+        if self.pending_ack is not None:
+            return self.pending_ack.attempt
+        if self.pending_report is not None:
+            return self.pending_report[1].get("attempt")
         return None
 
     def on_job_submit(self, data):
@@ -52,6 +92,15 @@ class JobsMixin:
         job_id = str(job_id)
         if self.job is not None and self.job.job_id == job_id and attempt in (None, self.job.attempt):
             return  # delivered again (replay or redelivery): already running it
+        ack = self.pending_ack
+        if ack is not None and ack.job_id == job_id:
+            if attempt in (None, ack.attempt):
+                return  # delivered again while its acknowledgement is under way
+            # The orchestrator took the earlier dispatch back and dispatched the job anew: that one wins.
+            logger.info(
+                "Job %s dispatched again (attempt %s); the earlier dispatch (%s) is dropped", job_id, attempt, ack.attempt
+            )
+            self._drop_ack()
         if attempt and attempt in self.finished_attempts:
             return  # an old dispatch replayed after a reconnect
         if self.pending_report is not None and self.pending_report[0] == job_id and attempt == self.pending_report[1].get("attempt"):
@@ -59,28 +108,102 @@ class JobsMixin:
         if self.signals:
             logger.info("Job %s arrived while stopping; not started (the orchestrator requeues it at disconnect)", job_id)
             return
-        if self.job is not None or self.pending_report is not None:
+        if self.job is not None or self.pending_ack is not None or self.pending_report is not None:
             if all(w.get("attempt") != attempt or w.get("job_id") != job_id for w in self.waiting):
-                self.waiting.append(data)
+                self.waiting.append({**data, RECEIVED_KEY: self.clock()})
                 logger.info("Job %s arrived while job %s is busy; it starts next", job_id, self.current_job_id())
             return
         self.start_job(data)
 
+    # --- acknowledging a dispatch -------------------------------------------------------------
+
     def start_job(self, data):
+        """Acknowledge the dispatch ``data`` (a job_submit); its trainer starts once that is accepted.
+
+        Acknowledged by: ``starting`` answered 200; a heartbeat naming the job and attempt answered
+        with the job as the worker's current one; a re-register naming them answered with
+        ``resume_job``. Transient failures are retried with backoff until ``dispatch_ack_timeout``
+        after arrival; then the job is given up without running. A refusal drops it.
+        """
         job_id, attempt = str(data["job_id"]), data.get("attempt")
-        label = data.get("config_name") or job_id
+        received = data.get(RECEIVED_KEY, self.clock())
+        self.pending_ack = PendingAck(
+            data=data, job_id=job_id, attempt=attempt, received=received, deadline=received + self.dispatch_ack_timeout
+        )
+        self.ack_backoff.reset()
+        self.send_acknowledgement()
+
+    def send_acknowledgement(self):
+        """Send ``starting`` for the pending dispatch; start it, drop it, or schedule a retry, by the answer."""
+        ack = self.pending_ack
+        ack.due = None
+        acknowledgement: protocol.JobReport = {"status": protocol.STARTING, "attempt": ack.attempt}
         try:
-            acknowledgement: protocol.JobReport = {"status": protocol.STARTING, "attempt": attempt}
-            self.client.report(job_id, acknowledgement)
+            self.client.report(ack.job_id, acknowledgement)
         except Refused as exc:
-            logger.info("Job %s (%s) is no longer this worker's (%s); not started", job_id, label, exc.message)
-            self._remember_attempt(attempt)
+            self._refused(ack.job_id, exc)  # dropped, not started (a cancelled one is reported cancelled)
             return
         except FatalError as exc:
             self.fatal(exc)
             return
-        except (TransientError, Rejected) as exc:
-            logger.warning("Could not acknowledge job %s (%s); starting it anyway", job_id, exc)
+        except Rejected as exc:
+            logger.error("The orchestrator rejected the acknowledgement of job %s (%s); not started", ack.job_id, exc)
+            self._drop_ack()
+            self._after_job(reported=False)
+            return
+        except TransientError as exc:
+            now = self.clock()
+            delay = self.ack_backoff.next_delay(exc.retry_after or 0)
+            ack.due = now + delay
+            logger.warning(
+                "Could not acknowledge job %s (%s); not started yet: retrying in %.0fs (gives up in %.0fs)",
+                ack.job_id,
+                exc.message,
+                delay,
+                max(ack.deadline - now, 0),
+            )
+            return
+        self._acknowledged("its starting report was accepted")
+
+    def check_acknowledgement(self):
+        """Give the pending dispatch up past its deadline, or send ``starting`` again when due."""
+        ack = self.pending_ack
+        now = self.clock()
+        if now >= ack.deadline:
+            logger.warning(
+                "Job %s not started: its dispatch (attempt %s) was not acknowledged within %.0fs; the orchestrator requeues it",
+                ack.job_id,
+                ack.attempt,
+                self.dispatch_ack_timeout,
+            )
+            self._drop_ack()
+            if self.registered:
+                # Say so at once: a registration without the job releases anything the orchestrator
+                # still holds for this worker (a `starting` applied whose answer was lost).
+                self.register_due = now
+            self._after_job(reported=False)
+        elif ack.due is not None and now >= ack.due:
+            self.send_acknowledgement()
+
+    def _acknowledged(self, how):
+        """The pending dispatch is acknowledged: start its trainer."""
+        ack, self.pending_ack = self.pending_ack, None
+        self.ack_backoff.reset()
+        logger.debug("job %s acknowledged: %s", ack.job_id, how)
+        self._launch(ack.data)
+
+    def _drop_ack(self):
+        """Forget the pending dispatch without running it (its attempt is remembered as over)."""
+        if self.pending_ack is not None:
+            self._remember_attempt(self.pending_ack.attempt)
+        self.pending_ack = None
+        self.ack_backoff.reset()
+
+    # --- running a job ------------------------------------------------------------------------
+
+    def _launch(self, data):
+        job_id, attempt = str(data["job_id"]), data.get("attempt")
+        label = data.get("config_name") or job_id
         run = self.run_factory(
             job_id=job_id,
             attempt=attempt,
@@ -168,21 +291,39 @@ class JobsMixin:
                 logger.info("Job %s cancelled by the orchestrator; stopping it", job_id)
                 self.job.stop(STOP_CANCEL)
             return
+        ack = self.pending_ack
+        if ack is not None and ack.job_id == job_id and data.get("attempt") in (None, ack.attempt):
+            logger.info("Job %s cancelled by the orchestrator before it started; not started", job_id)
+            self._drop_ack()
+            # Nothing ran: reported (not journaled) so that the orchestrator frees this worker at once.
+            cancelled: protocol.JobReport = {
+                "status": protocol.CANCELLED,
+                "attempt": ack.attempt,
+                "error": "cancelled before it started",
+            }
+            self._queue_report(job_id, cancelled, journal_it=False)
+            return
         before = len(self.waiting)
         self.waiting = [w for w in self.waiting if str(w.get("job_id")) != job_id]
         if len(self.waiting) != before:
             logger.info("Job %s cancelled before it started", job_id)
 
     def abandon(self, job_id, reason):
-        """Stop ``job_id`` without reporting it: the orchestrator says it is no longer ours."""
+        """The orchestrator says ``job_id`` is no longer ours: stop its trainer without reporting it, or drop
+        its dispatch if not started yet; a result held for it is reported once more (the report decides)."""
         if self.job is not None and self.job.job_id == job_id:
             logger.warning("Abandoning job %s: %s", job_id, reason)
             self.job.stop(STOP_ABANDON)
-        elif self.pending_report is not None and self.pending_report[0] == job_id:
-            logger.warning("Dropping the result of job %s: %s", job_id, reason)
-            self.pending_report = None
-            self.report_due = None
+        elif self.pending_ack is not None and self.pending_ack.job_id == job_id:
+            logger.warning("Dropping job %s before it started: %s", job_id, reason)
+            self._drop_ack()
             self._after_job(reported=False)
+        elif self.pending_report is not None and self.pending_report[0] == job_id:
+            # Only the report itself decides about a result: the orchestrator accepts the completion
+            # of an attempt it took back while nothing else runs the job. Try it now.
+            logger.info("Job %s is no longer this worker's (%s); reporting its result once more now", job_id, reason)
+            self.report_due = self.clock()
+            self.deliver_report()
 
     def on_job_exit(self, run):
         if run is not self.job:
@@ -222,31 +363,100 @@ class JobsMixin:
             logger.info("Job %s failed after %s: %s", run.job_id, took, error)
         self._queue_report(run.job_id, body)
 
-    def _queue_report(self, job_id, body):
+    # --- results: journaled, then reported until the orchestrator answers ------------------------
+
+    def _queue_report(self, job_id, body, *, journal_it=True):
+        """Hold ``body`` as ``job_id``'s result and report it; journal it to disk first unless told not to."""
+        path = None
+        if journal_it:
+            try:
+                path = journal.write_outcome(Path(self.config.work_dir) / job_id, job_id, body)
+            except OSError as exc:
+                logger.warning("Could not write the result of job %s to disk (%s); it is held in memory only", job_id, exc)
         self.pending_report = (job_id, body)
+        self.pending_journal = path
         self.report_backoff.reset()
         self.report_due = self.clock()
         self.deliver_report()
 
     def deliver_report(self):
+        """Report the held result; retry a transient failure later, or (when stopping) exit keeping it on disk."""
         job_id, body = self.pending_report
+        answer = self._send_result(job_id, body, self.pending_journal)
+        if answer is None:
+            return  # fatal
+        if isinstance(answer, TransientError):
+            if self.signals:
+                self._exit_keeping_result(answer)
+                return
+            delay = self.report_backoff.next_delay(answer.retry_after or 0)
+            logger.warning("Could not report job %s (%s); retrying in %.0fs", job_id, answer.message, delay)
+            self.report_due = self.clock() + delay
+            return
+        self.pending_report = None
+        self.pending_journal = None
+        self.report_due = None
+        self._after_job(reported=True)
+
+    def _send_result(self, job_id, body, path):
+        """Report a result; return True once the orchestrator answered (the journal is then marked
+        delivered), the TransientError to retry after, or None after a fatal error."""
         try:
             self.client.report(job_id, body)
         except Refused as exc:
             logger.warning("The orchestrator refused the result of job %s: %s", job_id, exc.message)
         except FatalError as exc:
             self.fatal(exc)
-            return
+            return None
         except TransientError as exc:
-            delay = self.report_backoff.next_delay(exc.retry_after or 0)
-            logger.warning("Could not report job %s (%s); retrying in %.0fs", job_id, exc.message, delay)
-            self.report_due = self.clock() + delay
-            return
+            return exc
         except Rejected as exc:
             logger.error("The orchestrator rejected the result of job %s: %s", job_id, exc)
-        self.pending_report = None
-        self.report_due = None
-        self._after_job(reported=True)
+        if path is not None:
+            journal.mark_delivered(path)
+        return True
+
+    def _exit_keeping_result(self, exc):
+        """Stopping, and the result cannot be delivered now: exit 0 and leave it to the next start.
+
+        No disconnect: the orchestrator keeps the job on this worker, so the result reported at the
+        next start is applied as any other.
+        """
+        job_id = self.pending_report[0]
+        if self.pending_journal is not None:
+            where = f"kept in {self.pending_journal}; the agent reports it when it starts again"
+        else:
+            where = "it could not be written to disk and is lost"
+        logger.warning("Exiting without delivering the result of job %s (%s): %s", job_id, exc.message, where)
+        self.exit_code = 0
+
+    def deliver_journaled(self):
+        """Report the results journaled before this agent started, oldest first; return True once none is left.
+
+        Called before registering: a registration that does not name the job would make the
+        orchestrator take it back first. A transient failure schedules the next try (``register_due``).
+        """
+        while self.journaled:
+            path, job_id, body = self.journaled[0]
+            answer = self._send_result(job_id, {**body, "journal": True}, path)  # says it was read back from disk
+            if answer is None:
+                return False
+            if isinstance(answer, TransientError):
+                self._unreachable(answer)
+                if self.exit_code is None:
+                    delay = self.register_backoff.next_delay(answer.retry_after or 0)
+                    logger.warning("Cannot report the kept result of job %s: %s; retrying in %.0fs", job_id, answer, delay)
+                    self.register_due = self.clock() + delay
+                return False
+            self.journaled.pop(0)
+            self._remember_attempt(body.get("attempt"))
+            logger.info(
+                "Reported the result of job %s (attempt %s: %s) kept from before this agent started",
+                job_id,
+                body.get("attempt"),
+                body.get("status"),
+            )
+        return True
 
     def _remember_attempt(self, attempt):
         if attempt:
@@ -263,6 +473,6 @@ class JobsMixin:
         elif self.draining:
             self._idle_drained()
         elif self.waiting:
-            self.start_job(self.waiting.pop(0))
+            self.start_job(self.waiting.pop(0))  # a refusal comes back here for the next one
         else:
             logger.info("Waiting for jobs")

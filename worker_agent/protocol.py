@@ -165,6 +165,7 @@ class HeartbeatResponse(TypedDict):
     status: str
     draining: bool
     current_job_id: str | None
+    current_attempt: str | None  # the attempt of the job the heartbeat named; another one was not acknowledged
 
 
 class JobReport(TypedDict, total=False):

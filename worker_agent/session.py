@@ -13,6 +13,7 @@ import requests
 
 from . import __version__, protocol
 from .client import AgentError, FatalError, Refused, Rejected, TransientError
+from .jobs import DEFAULT_DISPATCH_ACK_TIMEOUT
 from .sse import SSEParser
 
 logger = logging.getLogger("worker_agent")
@@ -98,6 +99,15 @@ class StreamReader:
             self._post(("stream_lost", reason, time.monotonic() - opened))
 
 
+def _positive_seconds(value, default):
+    """Return ``value`` as a number of seconds > 0, or ``default`` when absent or invalid."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        return default
+    return seconds if seconds > 0 and seconds == seconds and seconds != float("inf") else default
+
+
 def socket_of(response):
     """Return the socket under a streamed response, or None (urllib3 2.x internals, best effort)."""
     raw = getattr(response, "raw", None)
@@ -119,6 +129,7 @@ class SessionMixin:
             "name": self.config.name,
             "persistent": self.config.persistent,
             "current_job_id": self.current_job_id(),
+            "current_attempt": self.current_attempt(),
             "hostname": socket.gethostname(),
             "agent_version": __version__,
             **self.capabilities,
@@ -147,6 +158,7 @@ class SessionMixin:
         self.worker_id = result.get("worker_id")
         if self.config.heartbeat_interval is None and result.get("heartbeat_interval"):
             self.heartbeat_interval = float(result["heartbeat_interval"])
+        self.dispatch_ack_timeout = _positive_seconds(result.get("dispatch_ack_timeout"), DEFAULT_DISPATCH_ACK_TIMEOUT)
         logger.info(
             "%s as %s (%s) at %s",
             "Registered" if first else "Registered again",
@@ -154,17 +166,27 @@ class SessionMixin:
             self.worker_id,
             self.config.orchestrator_url,
         )
-        self._reconcile(result)
+        acknowledged = self._reconcile(result)
         self.next_heartbeat = self.clock() + self.heartbeat_interval
-        self.stream.go()
+        if not getattr(self.stream, "connected", False):
+            self.stream.go()  # (a registration while the stream is up, after a given-up dispatch, keeps it)
         if result.get("draining"):
             self.start_drain("this worker is draining")
-        elif self.job is None and self.pending_report is None and first:
+        elif self.current_job_id() is None and first:
             logger.info("Waiting for jobs")
+        if acknowledged and self.pending_ack is acknowledged and self.exit_code is None:
+            self._acknowledged("re-registering naming it resumed it")
 
     def _reconcile(self, result):
+        """Apply ``resume_job``/``abandon_job``; return the pending dispatch the answer acknowledged, or None."""
         resume = result.get("resume_job")
         abandon = result.get("abandon_job")
+        ack = self.pending_ack
+        if ack is not None and isinstance(resume, dict) and str(resume.get("job_id")) == ack.job_id:
+            if resume.get("attempt") in (None, ack.attempt):
+                return ack
+            # Resumed under another attempt: not this dispatch's acknowledgement; `starting` settles it.
+            return None
         if isinstance(resume, dict) and resume.get("job_id") == self.current_job_id():
             if self.job is not None:
                 if resume.get("attempt"):
@@ -176,17 +198,22 @@ class SessionMixin:
                 self.report_due = self.clock()
         elif abandon:
             self.abandon(str(abandon), "the orchestrator says it is no longer this worker's job")
+        return None
 
     def heartbeat(self):
+        job_id = self.current_job_id()
         body: protocol.HeartbeatRequest = {
-            "status": protocol.AGENT_BUSY if self.current_job_id() else protocol.AGENT_IDLE,
-            "current_job_id": self.current_job_id(),
+            "status": protocol.AGENT_BUSY if job_id else protocol.AGENT_IDLE,
+            "current_job_id": job_id,
         }
+        if job_id and self.current_attempt():
+            body["attempt"] = self.current_attempt()  # naming the attempt acknowledges a pending dispatch
         if self.job is not None:
             body["progress"] = self.job.snapshot()[0] or None
         sample = self.monitor.sample()
         body.update({field: sample[field] for field in protocol.HEARTBEAT_METRIC_FIELDS if field in sample})
         self.next_heartbeat = self.clock() + self.heartbeat_interval
+        ack = self.pending_ack
         try:
             result = self.client.heartbeat(body)
         except Refused as exc:
@@ -208,6 +235,12 @@ class SessionMixin:
         self.unreachable_since = None
         if result.get("draining"):
             self.start_drain("this worker is draining")
+        if ack is not None and self.pending_ack is ack and self.exit_code is None:
+            held = result.get("current_job_id")
+            # A server that says which attempt it holds acknowledged only that one (an older one says nothing).
+            attempt_held = result.get("current_attempt", ack.attempt)
+            if held is not None and str(held) == ack.job_id and attempt_held == ack.attempt:
+                self._acknowledged("a heartbeat naming it was accepted")
 
     def _unreachable(self, exc):
         """Count an unreachable orchestrator; an ephemeral agent gives up after EPHEMERAL_GIVE_UP_S."""

@@ -61,6 +61,8 @@ def test_a_heartbeat_naming_another_attempt_of_the_job_does_not_acknowledge_it(w
     )
 
     assert response.status_code == 200
+    # The answer says which attempt the worker holds, so the agent knows its own was not acknowledged.
+    assert (response.json()["current_job_id"], response.json()["current_attempt"]) == (job.pk, job.lease_id)
     assert _reload(job).status == JobStatus.DISPATCHED
     assert sweep_unacknowledged_dispatches()["jobs"] == 1
 

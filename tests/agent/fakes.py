@@ -37,6 +37,8 @@ class FakeSession:
     def request(self, method, url, timeout=None, **kwargs):
         self.calls.append({"method": method, "url": url, "timeout": timeout, **kwargs})
         item = self.script.pop(0)
+        if callable(item) and not isinstance(item, FakeResponse):
+            item = item()  # e.g. a signal arriving while the request blocks
         if isinstance(item, BaseException):
             raise item
         return item
@@ -82,6 +84,12 @@ class FakeClient:
 
     def close(self):
         pass
+
+    def stopping(self):
+        self.calls.append(("stopping",))
+
+    def interrupt(self):
+        pass  # never inside a blocking call: the fake answers at once
 
     def reports(self, job_id=None):
         return [(c[1], c[2]["status"], c[2]) for c in self.calls if c[0] == "report" and job_id in (None, c[1])]

@@ -41,21 +41,33 @@ class FakeStream:
         self.stopped = True
 
 
-def make_agent(*, persistent=True, command="python train.py"):
+WORK_DIR = None  # each test's own (tmp_path), set by the autouse fixture below
+
+
+@pytest.fixture(autouse=True)
+def work_dir(tmp_path):
+    global WORK_DIR
+    WORK_DIR = tmp_path / "jobs"
+    WORK_DIR.mkdir()
+    yield WORK_DIR
+    WORK_DIR = None
+
+
+def make_agent(*, persistent=True, command="python train.py", client=None):
     config = AgentConfig(
         orchestrator_url="http://orch:8001",
         token="wt_x",
         name="gpu-1",
         persistent=persistent,
         verify=True,
-        work_dir=Path("/tmp/agent-jobs"),
+        work_dir=Path(WORK_DIR),
         command=command,
         heartbeat_interval=None,
         cancel_grace=30.0,
     )
     FakeRun.instances.clear()
     agent = Agent(
-        config, client=FakeClient(), monitor=FakeMonitor(), clock=Clock(), run_factory=FakeRun, stream=FakeStream()
+        config, client=client or FakeClient(), monitor=FakeMonitor(), clock=Clock(), run_factory=FakeRun, stream=FakeStream()
     )
     agent._start_up()
     return agent
@@ -111,7 +123,7 @@ def test_heartbeat_takes_only_the_protocols_metric_fields_from_the_monitor():
     agent.clock.now = agent.next_heartbeat
     agent.tick()
     body = [c for c in agent.client.calls if c[0] == "heartbeat"][-1][1]
-    assert body == {"status": "busy", "current_job_id": "j_1", "progress": {"step": 3}, "cpu_percent": 5.0}
+    assert body == {"status": "busy", "current_job_id": "j_1", "attempt": "a_1", "progress": {"step": 3}, "cpu_percent": 5.0}
 
 
 def test_env_heartbeat_interval_wins_over_the_orchestrators():
@@ -515,3 +527,470 @@ def test_keepalives_and_unknown_events_are_harmless(data):
     agent = registered()
     agent.on_event(Event("message", data))
     assert agent.exit_code is None and agent.job is None
+
+
+# --- acknowledgement before the trainer starts ----------------------------------------------------
+
+
+def heartbeats(agent):
+    return [c[1] for c in agent.client.calls if c[0] == "heartbeat"]
+
+
+def registrations(agent):
+    return [c[1] for c in agent.client.calls if c[0] == "register"]
+
+
+def run_until(agent, condition, *, limit=600.0):
+    """Advance the fake clock to each next due time and tick, until ``condition()`` or ``limit`` seconds pass."""
+    end = agent.clock.now + limit
+    while not condition() and agent.exit_code is None and agent.clock.now < end:
+        agent.clock.now += max(agent._wait_time(), 0.01)
+        agent.tick()
+        pump(agent)
+    return condition()
+
+
+def test_trainer_starts_only_after_the_starting_report_is_accepted():
+    agent = registered()
+    seen = []
+    original = agent.client.report
+
+    def report(job_id, body):
+        seen.append((body["status"], len(FakeRun.instances)))
+        return original(job_id, body)
+
+    agent.client.report = report
+    run = submit(agent)
+    assert seen[0] == ("starting", 0)  # the acknowledgement went out before any trainer existed
+    assert run is not None and run.running and agent.job is run and agent.pending_ack is None
+
+
+def test_acknowledgement_failing_then_accepted_within_the_deadline_starts_the_trainer_once():
+    agent = registered()
+    agent.client.script(
+        "report:starting",
+        TransientError("cannot reach the orchestrator: connection refused"),
+        TransientError("HTTP 503"),
+        {"accepted": True},
+    )
+    assert submit(agent) is None
+    assert agent.pending_ack is not None and agent.job is None
+    assert run_until(agent, lambda: agent.job is not None, limit=59)
+    assert len(FakeRun.instances) == 1
+    statuses = [s for _, s, _ in agent.client.reports("j_1")]
+    assert statuses == ["starting", "starting", "starting", "running"]
+    assert all(body["attempt"] == "a_1" for _, _, body in agent.client.reports("j_1"))
+    # the same dispatch delivered again (a replay after the reconnect) starts nothing more
+    submit(agent)
+    run_until(agent, lambda: False, limit=30)
+    assert len(FakeRun.instances) == 1
+
+
+def test_unacknowledged_dispatch_is_given_up_at_the_servers_deadline_without_running_or_reporting(caplog):
+    agent = make_agent()
+    agent.client.script("register", {"worker_id": "w_1", "heartbeat_interval": 30, "dispatch_ack_timeout": 20})
+    agent.tick()
+    agent.client.script("report:starting", TransientError("HTTP 503"))
+    agent.client.script("heartbeat", TransientError("HTTP 503"))
+    received = agent.clock.now
+    with caplog.at_level(logging.INFO):
+        submit(agent)
+        run_until(agent, lambda: agent.clock.now >= received + 18.5, limit=25)
+        assert agent.clock.now < received + 20 and agent.pending_ack is not None  # not yet
+        run_until(agent, lambda: agent.pending_ack is None, limit=5)
+    assert agent.clock.now == pytest.approx(received + 20, abs=0.02)
+    assert FakeRun.instances == [] and agent.job is None
+    assert {s for _, s, _ in agent.client.reports()} == {"starting"}
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Job j_1 not started")]
+    assert lines == ["Job j_1 not started: its dispatch (attempt a_1) was not acknowledged within 20s; the orchestrator requeues it"]
+    # it says so: registering again without the job, and heartbeats name no job any more
+    agent.tick()
+    assert registrations(agent)[-1]["current_job_id"] is None
+    agent.client.script("heartbeat", {"status": "idle", "current_job_id": None})
+    agent.clock.now = agent.next_heartbeat
+    agent.tick()
+    assert heartbeats(agent)[-1]["current_job_id"] is None
+    # a replay of that dispatch is ignored
+    submit(agent)
+    assert FakeRun.instances == [] and agent.pending_ack is None
+
+
+def test_acknowledgement_deadline_defaults_to_60_seconds_without_the_servers_value():
+    agent = registered()  # the fake's register response has no dispatch_ack_timeout (like the upstream server)
+    agent.client.script("report:starting", TransientError("HTTP 502"))
+    agent.client.script("heartbeat", TransientError("HTTP 502"))
+    received = agent.clock.now
+    submit(agent)
+    run_until(agent, lambda: agent.pending_ack is None, limit=120)
+    assert agent.clock.now == pytest.approx(received + 60, abs=0.02)
+    assert FakeRun.instances == []
+
+
+def test_acknowledgement_retries_honour_retry_after():
+    agent = registered()
+    agent.client.script("report:starting", TransientError("HTTP 429", retry_after=7), {"accepted": True})
+    submit(agent)
+    assert agent.pending_ack.due - agent.clock.now >= 7
+
+
+def test_heartbeat_naming_the_dispatch_acknowledges_it():
+    agent = registered()
+    agent.client.script("report:starting", TransientError("HTTP 503"))
+    agent.heartbeat_interval = 5.0
+    agent.next_heartbeat = agent.clock.now + 5
+    submit(agent)
+    agent.client.script("heartbeat", {"status": "busy", "draining": False, "current_job_id": None})
+    agent.clock.now = agent.next_heartbeat
+    agent.tick()
+    body = heartbeats(agent)[-1]
+    assert (body["status"], body["current_job_id"], body["attempt"]) == ("busy", "j_1", "a_1")
+    assert agent.job is None and agent.pending_ack is not None  # not said to be ours: no acknowledgement
+    agent.client.script("heartbeat", {"status": "busy", "draining": False, "current_job_id": "j_1"})
+    agent.clock.now = agent.next_heartbeat
+    agent.tick()
+    assert len(FakeRun.instances) == 1 and agent.job is FakeRun.instances[0] and agent.pending_ack is None
+    assert [s for _, s, _ in agent.client.reports("j_1")][-1] == "running"
+
+
+def test_heartbeat_holding_the_job_under_another_attempt_is_no_acknowledgement():
+    agent = registered()
+    agent.client.script("report:starting", TransientError("HTTP 503"))
+    agent.heartbeat_interval = 5.0
+    agent.next_heartbeat = agent.clock.now + 5
+    submit(agent)
+    # The server holds j_1 for this worker, but under a newer attempt: it did not acknowledge ours.
+    agent.client.script(
+        "heartbeat", {"status": "busy", "draining": False, "current_job_id": "j_1", "current_attempt": "a_2"}
+    )
+    agent.clock.now = agent.next_heartbeat
+    agent.tick()
+    assert FakeRun.instances == [] and agent.pending_ack is not None
+    agent.client.script(
+        "heartbeat", {"status": "busy", "draining": False, "current_job_id": "j_1", "current_attempt": "a_1"}
+    )
+    agent.clock.now = agent.next_heartbeat
+    agent.tick()
+    assert len(FakeRun.instances) == 1 and agent.pending_ack is None
+
+
+def test_heartbeat_refusing_the_dispatch_drops_it():
+    agent = registered()
+    agent.client.script("report:starting", TransientError("HTTP 503"))
+    submit(agent)
+    agent.client.script("heartbeat", refused("j_1"))
+    agent.clock.now = agent.next_heartbeat
+    agent.tick()
+    assert agent.pending_ack is None and FakeRun.instances == []
+    run_until(agent, lambda: False, limit=90)
+    assert FakeRun.instances == [] and {s for _, s, _ in agent.client.reports()} == {"starting"}
+
+
+def test_reregistering_naming_the_dispatch_and_resumed_acknowledges_it():
+    agent = registered()
+    agent.client.script("report:starting", TransientError("cannot reach the orchestrator: connection refused"))
+    submit(agent)
+    agent.handle(("stream_lost", "connection lost", 120.0))
+    agent.client.script("register", {"worker_id": "w_1", "resume_job": {"job_id": "j_1", "attempt": "a_1"}})
+    agent.tick()
+    body = registrations(agent)[-1]
+    assert (body["current_job_id"], body["current_attempt"]) == ("j_1", "a_1")
+    assert len(FakeRun.instances) == 1 and agent.job is FakeRun.instances[0] and agent.job.attempt == "a_1"
+    assert agent.stream.opened == 2
+
+
+def test_resume_of_another_attempt_does_not_acknowledge_the_dispatch():
+    agent = registered()
+    agent.client.script("report:starting", TransientError("HTTP 503"))
+    submit(agent)
+    agent.handle(("stream_lost", "connection lost", 120.0))
+    agent.client.script("register", {"worker_id": "w_1", "resume_job": {"job_id": "j_1", "attempt": "a_2"}})
+    agent.tick()
+    assert FakeRun.instances == [] and agent.pending_ack is not None
+
+
+def test_reregistering_answered_with_abandon_drops_the_dispatch():
+    agent = registered()
+    agent.client.script("report:starting", TransientError("HTTP 503"))
+    submit(agent)
+    agent.handle(("stream_lost", "connection lost", 120.0))
+    agent.client.script("register", {"worker_id": "w_1", "abandon_job": "j_1"})
+    agent.tick()
+    assert agent.pending_ack is None and FakeRun.instances == []
+
+
+def test_refusal_on_a_retried_acknowledgement_drops_the_dispatch_and_the_next_one_is_acknowledged():
+    agent = registered()
+    agent.client.script("report:starting", TransientError("HTTP 503"), refused("j_1", protocol.STALE_ATTEMPT), {"accepted": True})
+    submit(agent)
+    submit(agent, job_id="j_2", attempt="a_2")  # arrived while j_1 waits: it is next
+    run_until(agent, lambda: agent.job is not None, limit=30)
+    assert [run.job_id for run in FakeRun.instances] == ["j_2"]
+    assert [(j, s) for j, s, _ in agent.client.reports()][:3] == [("j_1", "starting"), ("j_1", "starting"), ("j_2", "starting")]
+
+
+def test_rejected_acknowledgement_does_not_start_the_trainer():
+    from worker_agent.client import Rejected
+
+    agent = registered()
+    agent.client.script("report:starting", Rejected("POST /api/workers/job/j_1/status: HTTP 404", status=404))
+    submit(agent)
+    assert agent.pending_ack is None and FakeRun.instances == []
+
+
+def test_cancel_before_acknowledgement_reports_cancelled_and_never_starts():
+    agent = registered()
+    agent.client.script("report:starting", TransientError("HTTP 503"))
+    submit(agent)
+    agent.on_event(Event("job_cancel", '{"type": "job_cancel", "job_id": "j_1", "attempt": "a_1"}'))
+    assert agent.pending_ack is None and FakeRun.instances == []
+    assert agent.client.reports()[-1][1] == "cancelled"
+    assert not (WORK_DIR / "j_1").exists()  # nothing ran: nothing journaled
+    run_until(agent, lambda: False, limit=90)
+    assert FakeRun.instances == []
+
+
+def test_a_new_attempt_of_the_awaited_job_replaces_the_old_dispatch():
+    agent = registered()
+    agent.client.script("report:starting", TransientError("HTTP 503"), {"accepted": True})
+    submit(agent)
+    submit(agent, attempt="a_2")
+    assert agent.job is not None and agent.job.attempt == "a_2" and len(FakeRun.instances) == 1
+    submit(agent)  # the old one replayed: over
+    assert len(FakeRun.instances) == 1
+
+
+# --- the outcome journal --------------------------------------------------------------------------
+
+
+def outcome(job_id="j_1"):
+    return WORK_DIR / job_id / "outcome.json"
+
+
+def reported_outcome(job_id="j_1"):
+    return WORK_DIR / job_id / "outcome.reported.json"
+
+
+def test_result_is_journaled_before_it_is_reported_and_marked_once_answered():
+    agent = registered()
+    run = submit(agent)
+    on_disk_at_report = []
+    original = agent.client.report
+
+    def report(job_id, body):
+        if body["status"] == "completed":
+            on_disk_at_report.append(json.loads(outcome(job_id).read_text()))
+        return original(job_id, body)
+
+    agent.client.report = report
+    run.emit("loss 0.1", step=10, total_steps=10)
+    run.exit(0)
+    pump(agent)
+    (record,) = on_disk_at_report
+    sent = agent.client.reports("j_1")[-1][2]
+    assert record["job_id"] == "j_1" and record["report"] == sent
+    assert (sent["status"], sent["attempt"], sent["exit_code"]) == ("completed", "a_1", 0)
+    assert sent["progress"] == {"step": 10, "total_steps": 10} and sent["log_tail"] == "loss 0.1"
+    assert not outcome().exists() and json.loads(reported_outcome().read_text())["report"] == sent
+    assert not list((WORK_DIR / "j_1").glob(".*tmp"))
+
+
+@pytest.mark.parametrize("answer", [refused("j_1", protocol.STALE_ATTEMPT), {"accepted": True}])
+def test_an_answered_result_is_marked_delivered(answer):
+    agent = registered()
+    run = submit(agent)
+    agent.client.script("report:failed", answer)
+    run.exit(3)
+    pump(agent)
+    assert agent.pending_report is None
+    assert not outcome().exists() and reported_outcome().exists()
+
+
+def test_agent_recreated_after_an_undelivered_result_reports_it_with_its_attempt_before_registering():
+    agent = registered()
+    run = submit(agent)
+    agent.client.script("report:completed", TransientError("cannot reach the orchestrator: connection refused"))
+    run.emit("done", step=5, total_steps=5)
+    run.exit(0)
+    pump(agent)
+    assert agent.pending_report is not None and outcome().exists()
+    sent = agent.client.reports("j_1")[-1][2]
+    # the agent dies here (kill -9): only the journal remains
+    again = make_agent()
+    assert again.current_job_id() is None
+    again.client.script("report:completed", TransientError("HTTP 503"), {"accepted": True})
+    again.tick()
+    assert again.client.names() == ["report"]  # first try failed: not registered meanwhile
+    assert outcome().exists()
+    run_until(again, lambda: again.registered, limit=60)
+    names = again.client.names()
+    assert names == ["report", "report", "register"]
+    (first, body), second = again.client.calls[0][1:], again.client.calls[1][1:]
+    assert first == "j_1" and body == {**sent, "journal": True} and body["attempt"] == "a_1" and second[1] == body
+    assert registrations(again)[0]["current_job_id"] is None
+    assert not outcome().exists() and reported_outcome().exists()
+    # that attempt is over for this agent: its dispatch replayed is ignored
+    submit(again)
+    assert FakeRun.instances == []
+
+
+def test_journaled_results_survive_an_unreadable_neighbour(caplog):
+    (WORK_DIR / "j_bad").mkdir()
+    (WORK_DIR / "j_bad" / "outcome.json").write_text("{not json")
+    from worker_agent import journal
+
+    journal.write_outcome(WORK_DIR / "j_ok", "j_ok", {"status": "failed", "attempt": "a_9", "exit_code": 1})
+    with caplog.at_level(logging.WARNING):
+        agent = make_agent()
+        agent.tick()
+    assert agent.client.reports() == [("j_ok", "failed", {"status": "failed", "attempt": "a_9", "exit_code": 1, "journal": True})]
+    assert agent.registered and "Ignoring an unreadable job outcome" in caplog.text
+    assert (WORK_DIR / "j_bad" / "outcome.json").exists()  # left for an operator
+
+
+def test_result_held_after_a_dropped_stream_is_reported_before_registering_again():
+    agent = registered()
+    run = submit(agent)
+    agent.client.script("report:completed", TransientError("HTTP 503"), {"accepted": True})
+    run.exit(0)
+    pump(agent)
+    agent.handle(("stream_lost", "connection lost", 120.0))
+    before = len(agent.client.calls)
+    run_until(agent, lambda: agent.registered, limit=60)
+    tail = [c[0] if c[0] != "report" else c[2]["status"] for c in agent.client.calls[before:] if c[0] != "heartbeat"]
+    assert tail == ["completed", "register"]
+    assert "journal" not in agent.client.reports("j_1")[-1][2]  # held in memory: not read back from disk
+    assert registrations(agent)[-1]["current_job_id"] is None
+    assert not outcome().exists()
+
+
+def test_heartbeat_refusal_of_a_held_result_tries_the_report_once_more():
+    agent = registered()
+    run = submit(agent)
+    agent.client.script("report:completed", TransientError("HTTP 503"), {"accepted": True})
+    run.exit(0)
+    pump(agent)
+    agent.client.script("heartbeat", refused("j_1"))
+    agent.clock.now = agent.next_heartbeat
+    agent.tick()
+    assert [s for _, s, _ in agent.client.reports("j_1")].count("completed") == 2
+    assert agent.pending_report is None and reported_outcome().exists()
+
+
+# --- stopping: SIGTERM in every state exits within seconds (fake clock: no time passes) --------
+
+
+def test_sigterm_while_registering_with_backoff_exits_at_once():
+    agent = make_agent()
+    agent.client.script("register", TransientError("cannot reach the orchestrator: connection refused"))
+    for _ in range(6):
+        agent.tick()
+        agent.clock.now = agent.register_due
+    assert agent.register_due - agent.clock.now >= 0 and agent.exit_code is None
+    start = agent.clock.now
+    agent.handle(("signal", signal.SIGTERM))
+    assert agent.exit_code == 0 and agent.clock.now == start
+    assert "disconnect" not in agent.client.names()  # never registered: nothing to end
+
+
+def test_sigterm_while_reconnecting_exits_at_once():
+    agent = registered()
+    agent.client.script("register", TransientError("cannot reach the orchestrator: connection refused"))
+    agent.handle(("stream_lost", "connection lost", 1.0))
+    run_until(agent, lambda: False, limit=30)
+    agent.client.script("disconnect", TransientError("cannot reach the orchestrator: connection refused"))
+    start = agent.clock.now
+    agent.handle(("signal", signal.SIGTERM))
+    assert agent.exit_code == 0 and agent.clock.now == start
+    assert ("stopping",) in agent.client.calls  # its last calls use the short timeouts
+
+
+def test_sigterm_while_awaiting_the_acknowledgement_gives_the_job_up_and_exits():
+    agent = registered()
+    agent.client.script("report:starting", TransientError("HTTP 503"))
+    submit(agent)
+    start = agent.clock.now
+    agent.handle(("signal", signal.SIGTERM))
+    assert agent.exit_code == 0 and agent.clock.now == start
+    assert FakeRun.instances == [] and agent.pending_ack is None
+    assert agent.client.names()[-1] == "disconnect"  # hands the dispatch back at once
+    assert {s for _, s, _ in agent.client.reports()} == {"starting"}
+
+
+def test_sigterm_with_an_undeliverable_result_exits_keeping_it_on_disk():
+    agent = registered()
+    run = submit(agent)
+    agent.client.script("report:completed", TransientError("cannot reach the orchestrator: connection refused"))
+    run.exit(0)
+    pump(agent)
+    start = agent.clock.now
+    agent.handle(("signal", signal.SIGTERM))
+    assert agent.exit_code == 0 and agent.clock.now == start
+    assert [s for _, s, _ in agent.client.reports("j_1")].count("completed") == 2  # one more try
+    assert "disconnect" not in agent.client.names()  # the job stays this worker's until the next start reports it
+    assert outcome().exists()
+
+
+def test_sigterm_with_a_result_delivered_at_the_last_try_disconnects():
+    agent = registered()
+    run = submit(agent)
+    agent.client.script("report:completed", TransientError("HTTP 503"), {"accepted": True})
+    run.exit(0)
+    pump(agent)
+    agent.handle(("signal", signal.SIGTERM))
+    assert agent.exit_code == 0 and agent.client.names()[-1] == "disconnect"
+    assert reported_outcome().exists()
+
+
+def test_first_sigterm_lets_the_trainer_finish_then_exits_without_waiting_on_an_unreachable_orchestrator():
+    agent = registered()
+    run = submit(agent)
+    agent.handle(("signal", signal.SIGTERM))
+    assert agent.exit_code is None and run.stop_reason is None
+    agent.client.script("report:completed", TransientError("cannot reach the orchestrator: connection refused"))
+    run.exit(0)
+    pump(agent)
+    assert agent.exit_code == 0 and outcome().exists()
+
+
+def blocked_then_interrupted(agent):
+    """A request that blocks until SIGTERM arrives: the handler runs in the middle of it (as on the main thread)."""
+
+    def blocked():
+        agent.on_os_signal(signal.SIGTERM)
+        raise AssertionError("the signal handler did not interrupt the blocked request")
+
+    return blocked
+
+
+def test_sigterm_interrupts_a_request_blocked_on_an_unresponsive_orchestrator():
+    from worker_agent.client import STOPPING_TIMEOUT, OrchestratorClient
+
+    from .fakes import FakeResponse, FakeSession
+
+    session = FakeSession(FakeResponse(200, {"worker_id": "w_1", "heartbeat_interval": 30}))
+    agent = make_agent(client=OrchestratorClient("http://orch:8001", "wt_x", session=session))
+    agent.tick()
+    assert agent.registered
+    session.script += [blocked_then_interrupted(agent), FakeResponse(200, {"status": "offline"})]
+    agent.clock.now = agent.next_heartbeat
+    start = agent.clock.now
+    agent.tick()  # the heartbeat blocks; SIGTERM breaks it (a transient failure) instead of its timeout
+    assert agent.heartbeat_failing and agent.exit_code is None
+    pump(agent)
+    assert agent.exit_code == 0 and agent.clock.now == start
+    assert session.calls[-1]["url"].endswith("/api/workers/disconnect")
+    assert session.calls[-1]["timeout"] == STOPPING_TIMEOUT
+
+
+def test_first_sigterm_does_not_interrupt_calls_while_a_trainer_runs():
+    from worker_agent.client import Interrupted
+
+    agent = registered()
+    submit(agent)
+    interrupted = []
+    agent.client.interrupt = lambda: interrupted.append(1)
+    agent.on_os_signal(signal.SIGTERM)
+    assert interrupted == []  # it keeps running the job: nothing to hurry
+    agent.on_os_signal(signal.SIGTERM)
+    assert interrupted == [1]  # the second stops the job now
+    assert Interrupted.__mro__[1] is BaseException

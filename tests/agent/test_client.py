@@ -1,9 +1,19 @@
 """Every way a call to the orchestrator can fail, sorted into fatal, transient, refused or rejected."""
 
+import threading
+
 import pytest
 import requests
 
-from worker_agent.client import FatalError, OrchestratorClient, Refused, Rejected, TransientError
+from worker_agent.client import (
+    HTTP_TIMEOUT,
+    STOPPING_TIMEOUT,
+    FatalError,
+    OrchestratorClient,
+    Refused,
+    Rejected,
+    TransientError,
+)
 
 from .fakes import FakeResponse, FakeSession, connection_refused
 
@@ -115,3 +125,50 @@ def test_verify_setting_goes_with_every_request(verify):
     c.heartbeat({})
     c.open_stream()
     assert [call["verify"] for call in c.session.calls] == [verify, verify]
+
+
+def test_every_call_has_a_short_connect_and_a_bounded_read_timeout():
+    c = client(FakeResponse(200, {"worker_id": "w_1"}), FakeResponse(200, {}), FakeResponse(200, {}))
+    c.register({})
+    c.report("j_1", {"status": "running"})
+    c.disconnect()
+    for call in c.session.calls:
+        connect, read = call["timeout"]
+        assert connect <= 5 and read <= 15
+
+
+def test_once_stopping_calls_use_the_stopping_timeouts():
+    c = client(FakeResponse(200, {}), FakeResponse(200, {}))
+    c.heartbeat({})
+    c.stopping()
+    c.disconnect()
+    assert c.session.calls[0]["timeout"] == HTTP_TIMEOUT
+    assert c.session.calls[1]["timeout"] == STOPPING_TIMEOUT and sum(STOPPING_TIMEOUT) <= 5
+
+
+def test_interrupt_breaks_the_blocked_call_into_a_transient_error():
+    c = client()
+
+    def blocked():
+        c.interrupt()  # what the signal handler does while the main thread waits on the socket
+        raise AssertionError("not interrupted")
+
+    c.session.script.append(blocked)
+    with pytest.raises(TransientError) as caught:
+        c.heartbeat({})
+    assert "interrupted" in str(caught.value)
+
+
+def test_interrupt_outside_a_call_and_from_another_thread_does_nothing():
+    c = client()
+    c.interrupt()  # no call in flight: nothing raised
+    seen = []
+
+    def from_another_thread():
+        worker = threading.Thread(target=lambda: seen.append(c.interrupt()))
+        worker.start()
+        worker.join()
+        return FakeResponse(200, {"status": "idle"})
+
+    c.session.script.append(from_another_thread)
+    assert c.heartbeat({}) == {"status": "idle"} and seen == [None]

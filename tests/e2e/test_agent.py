@@ -4,7 +4,9 @@ import json
 import re
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 
 from .agent_harness import (
@@ -20,6 +22,9 @@ from .agent_harness import (
     worker_when,
     write_import_blocker,
 )
+from worker_agent import protocol
+
+from .faults import TcpProxy
 from .harness import free_port, poll
 
 pytestmark = pytest.mark.e2e
@@ -398,4 +403,140 @@ def test_sigterm_while_idle_exits_promptly(orchestrator, fleet, agents):
     agent.wait_for_line("Disconnecting (SIGTERM received)")
     worker_when(orchestrator, worker.id, lambda w: w["status"] == "offline", message="worker offline")
     assert agent.wait_exit(timeout=PROMPT_EXIT_S) == 0, agent.describe()
+    no_traceback(agent)
+
+
+# --- exactly once under chaos: a result outlives its agent; stopping never waits on a dead orchestrator ----
+
+TRAINER_START_LINE = "example trainer: logistic regression on"
+# ~6 s: long enough that the link is always cut mid-run (progress is seen within ~1-2 s of the start).
+CUT_JOB = {"max_train_steps": 60, "step_delay": 0.1, "checkpoint_every": 20}
+
+
+def trainer_runs(job_dir):
+    """Return how many times a trainer started in ``job_dir`` (each run appends to its train.log)."""
+    try:
+        return (job_dir / "train.log").read_text(errors="replace").count(TRAINER_START_LINE)
+    except FileNotFoundError:
+        return 0
+
+
+@pytest.mark.parametrize("death", ["kill -9", "SIGTERM"])
+def test_result_of_a_finished_trainer_outlives_its_agent(orchestrator, fleet, agents, death):
+    """The trainer finishes while the orchestrator cannot be reached; the agent dies holding the result
+    (kill -9, or SIGTERM, which must not wait for the orchestrator). The next agent on the node reports
+    the journaled result, with its attempt, before registering: the job completes, and never runs again."""
+    labels = {"pool": fleet.tag}
+    worker = fleet.create_worker(labels=labels)
+    proxy = TcpProxy("127.0.0.1", orchestrator.port).start()
+    try:
+        agent = agents.start(worker, orchestrator_url=proxy.url)
+        agents.wait_ready(agent)
+        job_id = agents.submit(labels=labels, config=CUT_JOB)["job_id"]
+        job_dir = agent.work_dir / job_id
+        journal_path = job_dir / "outcome.json"
+
+        mid = job_mid_run(orchestrator, job_id)
+        (attempt,) = [a["lease_id"] for a in mid["attempts"]]
+        proxy.cut()  # from here on nothing the agent sends reaches the orchestrator
+        poll(journal_path.exists, timeout=JOB_DEADLINE_S, message=f"{journal_path} to be written")
+        record = json.loads(journal_path.read_text())
+        assert (record["job_id"], record["report"]["status"], record["report"]["attempt"]) == (job_id, "completed", attempt)
+        assert record["report"]["exit_code"] == 0 and "training complete: step 60" in record["report"]["log_tail"]
+        agent.wait_for_line(re.compile(rf"Could not report job {job_id} \("))
+        assert orchestrator.job(job_id)["status"] == "running"  # the result is only on the node's disk
+
+        if death == "kill -9":
+            agent.kill()
+        else:
+            agent.terminate()
+            assert agent.wait_exit(timeout=PROMPT_EXIT_S) == 0, agent.describe()
+            agent.wait_for_line(f"Exiting without delivering the result of job {job_id}", timeout=0)
+            assert not agent.has_line("Disconnecting"), agent.describe()  # the job stays this worker's
+        assert journal_path.exists() and trainer_runs(job_dir) == 1
+        proxy.heal()
+
+        again = agents.spawn(
+            agent.argv[3:],
+            label=f"{agent.label}-again",
+            env=agents.env(SIMPLETUNER_WORKER_TOKEN=worker.token),
+            work_dir=agent.work_dir,
+            worker=worker,
+        )
+        job = job_in(orchestrator, job_id, "completed", "failed", "cancelled", "queued", timeout=JOB_DEADLINE_S)
+        assert (job["status"], job["exit_code"], job["attempt_count"]) == ("completed", 0, 1), job
+        assert [(a["lease_id"], a["outcome"], a["worker_id"]) for a in job["attempts"]] == [(attempt, "completed", worker.id)]
+        assert "training complete: step 60" in job["log_tail"]
+        reported = again.wait_for_line(f"Reported the result of job {job_id} (attempt {attempt}: completed) kept from before")
+        registered = again.wait_for_line(f"Registered as {worker.name} ({worker.id})")
+        assert reported < registered, again.describe()
+        assert not journal_path.exists() and (job_dir / "outcome.reported.json").is_file()
+        completed = [
+            row for row in orchestrator.audit(target_id=job_id, action="job.status_changed") if row["details"]["to"] == "completed"
+        ]
+        assert [row["details"]["reason"] for row in completed] == [f"completed ({protocol.FROM_JOURNAL})"]
+
+        # The node stays in service and runs nothing again.
+        worker_when(orchestrator, worker.id, lambda w: (w["status"], w["current_job_id"]) == ("idle", None))
+        again.assert_keeps_running(NEGATIVE_WINDOW_S)
+        assert trainer_runs(job_dir) == 1
+        job = orchestrator.job(job_id)
+        assert (job["status"], job["attempt_count"]) == ("completed", 1)
+        assert not orchestrator.audit(target_id=job_id, action="job.requeued")
+        no_traceback(again)
+    finally:
+        proxy.stop()
+
+
+def unread_requests(server_port, client_pid):
+    """Return how many of ``client_pid``'s connections to ``server_port`` hold bytes the server has not read.
+
+    Read from the server's side of each connection in /proc/net/tcp (its receive queue): a stopped
+    server leaves a request sent to it there.
+    """
+    client_ports = {
+        c.laddr.port
+        for c in psutil.Process(client_pid).net_connections(kind="tcp")
+        if c.raddr and c.raddr.port == server_port
+    }
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local_port = int(fields[1].rsplit(":", 1)[1], 16)
+            remote_port = int(fields[2].rsplit(":", 1)[1], 16)
+            rx_queue = int(fields[4].split(":")[1], 16)
+            if local_port == server_port and remote_port in client_ports and rx_queue > 0:
+                count += 1
+    return count
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/net/tcp")
+def test_sigterm_exits_promptly_while_the_orchestrator_does_not_answer(orchestrator, fleet, agents):
+    """With the orchestrator stopped (SIGSTOP: connections open, nothing answered), a SIGTERM ends the
+    agent within seconds even though a heartbeat is blocked waiting for its answer."""
+    worker = fleet.create_worker(labels={"pool": fleet.tag})
+    agent = agents.start(worker)
+    agents.wait_ready(agent)
+
+    server = psutil.Process(orchestrator.process.pid)
+    server.suspend()
+    try:
+        poll(
+            lambda: unread_requests(orchestrator.port, agent.pid),
+            timeout=10,
+            message="a heartbeat blocked on the stopped orchestrator",
+        )
+        started = time.monotonic()
+        agent.terminate()
+        assert agent.wait_exit(timeout=PROMPT_EXIT_S) == 0, agent.describe()
+        took = time.monotonic() - started
+    finally:
+        server.resume()
+    assert took < PROMPT_EXIT_S
+    assert agent.has_line("Disconnecting (SIGTERM received)"), agent.describe()
     no_traceback(agent)

@@ -150,6 +150,9 @@ class HeartbeatResponseSerializer(serializers.Serializer):
     status = serializers.CharField()
     draining = serializers.BooleanField()
     current_job_id = serializers.CharField(allow_null=True)
+    current_attempt = serializers.CharField(
+        allow_null=True, help_text="The attempt of the job the heartbeat named, as the server holds it."
+    )
 
 
 class JobReportResponseSerializer(serializers.Serializer):

@@ -379,7 +379,7 @@ def test_heartbeat_records_liveness_and_metrics(worker_client):
     )
 
     assert response.status_code == 200
-    assert response.json() == {"status": "idle", "draining": False, "current_job_id": None}
+    assert response.json() == {"status": "idle", "draining": False, "current_job_id": None, "current_attempt": None}
     worker = _reload(worker)
     assert worker.last_heartbeat > long_ago
     assert worker.metrics == {"gpu_utilization": [12.5], "cpu_percent": 3.0}
@@ -391,7 +391,7 @@ def test_heartbeat_keeps_a_draining_worker_draining(worker_client):
 
     response = worker_client(worker).post(HEARTBEAT, {"worker_id": worker.pk, "status": "idle", "current_job_id": None})
 
-    assert response.json() == {"status": "draining", "draining": True, "current_job_id": None}
+    assert response.json() == {"status": "draining", "draining": True, "current_job_id": None, "current_attempt": None}
     assert _reload(worker).status == WorkerStatus.DRAINING
 
 
@@ -401,7 +401,7 @@ def test_heartbeat_status_field_does_not_move_a_busy_worker(worker_client):
 
     response = worker_client(worker).post(HEARTBEAT, {"status": "idle", "current_job_id": None})
 
-    assert response.json() == {"status": "busy", "draining": False, "current_job_id": job.pk}
+    assert response.json() == {"status": "busy", "draining": False, "current_job_id": job.pk, "current_attempt": None}
     assert (_reload(worker).status, worker.current_job_id) == (WorkerStatus.BUSY, job.pk)
 
 
@@ -452,7 +452,7 @@ def test_offline_drained_worker_that_heartbeats_comes_back_draining(worker_clien
     with commit():
         response = worker_client(worker).post(HEARTBEAT, {"status": "idle"})
 
-    assert response.json() == {"status": "draining", "draining": True, "current_job_id": None}
+    assert response.json() == {"status": "draining", "draining": True, "current_job_id": None, "current_attempt": None}
     assert sent_events() == []
 
 
