@@ -8,6 +8,7 @@ admin actions, API views, management commands and the local worker all come here
 
 from collections import defaultdict
 
+from django.db.models import Q
 from django.utils import timezone
 
 from audit import actions
@@ -28,37 +29,42 @@ def workers_transition(*, workers, to, actor, reason="", now=None, **fields):
     """Move each locked worker in ``workers`` to ``to`` (a status, or a function of the worker), writing ``fields``.
 
     ``reason`` is a string or a function of the worker. A worker already in its target status only
-    gets ``fields`` (no audit row). One UPDATE per (from, to) pair and one audit INSERT, whatever the
+    gets ``fields`` (no audit row). One UPDATE per target status and one audit INSERT, whatever the
     number of workers. Raise InvalidTransition if the table forbids a change, or if a worker's status
     changed since the caller read it. Return ``workers``, updated in place.
     """
     now = now or timezone.now()
-    groups = defaultdict(list)
+    groups = defaultdict(list)  # (target, whether it changes) -> workers; one UPDATE each, whatever they come from
     for worker in workers:
         target = to(worker) if callable(to) else to
         if worker.status not in WORKER_TRANSITIONS[target]:
             raise InvalidTransition(f"worker {worker.pk} cannot go from {worker.status} to {target}")
-        groups[(worker.status, target)].append(worker)
+        groups[(target, worker.status != target)].append(worker)
     audit = []
-    for (before, target), group in groups.items():
+    for (target, changes_status), group in groups.items():
+        befores = {w.pk: w.status for w in group}
         changes = dict(fields, status=target)
-        if before != target:
+        if changes_status:
             changes["status_changed_at"] = now
-        updated = Worker.objects.filter(pk__in=[w.pk for w in group], status=before).update(**changes)
+        # Each row only from the status the caller read (the rows are locked: a mismatch is a bug, refused).
+        guard = Q()
+        for before in set(befores.values()):
+            guard |= Q(status=before, pk__in=[pk for pk, b in befores.items() if b == before])
+        updated = Worker.objects.filter(guard).update(**changes)
         if updated != len(group):
             raise InvalidTransition(
-                f"{len(group) - updated} worker(s) changed status concurrently; from {before} to {target} refused"
+                f"{len(group) - updated} worker(s) changed status concurrently; the move to {target} is refused"
             )
         for worker in group:
             for name, value in changes.items():
                 setattr(worker, name, value)
-        if before != target:
+        if changes_status:
             audit += audit_events(
                 actor=actor,
                 action=actions.WORKER_STATUS_CHANGED,
                 target_type="worker",
                 rows=[
-                    (w.pk, {"from": before, "to": target, "reason": reason(w) if callable(reason) else reason})
+                    (w.pk, {"from": befores[w.pk], "to": target, "reason": reason(w) if callable(reason) else reason})
                     for w in group
                 ],
             )
