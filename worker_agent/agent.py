@@ -142,6 +142,7 @@ class Agent(SessionMixin, JobsMixin):
             )
         logger.info("Training command: %s", " ".join(self.command))
         logger.info("Job directories: %s", self.config.work_dir)
+        journal.recover_exits(self.config.work_dir)  # trainers that ended while no agent watched
         self.journaled = journal.undelivered(self.config.work_dir)
         if self.journaled:
             logger.info(

@@ -12,10 +12,10 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import journal, protocol
+from . import journal, protocol, supervisor
 from . import progress as progress_protocol
 from .client import FatalError, Refused, Rejected, TransientError
-from .runner import STOP_ABANDON, STOP_AGENT_EXIT, STOP_CANCEL, describe_exit
+from .runner import STOP_ABANDON, STOP_AGENT_EXIT, STOP_CANCEL, describe_exit, exit_report
 
 logger = logging.getLogger("worker_agent")
 
@@ -43,13 +43,6 @@ class PendingAck:
     received: float
     deadline: float
     due: float | None = None
-
-
-def _exit_code_field(code):
-    """Return the exit code as a shell reports it (128+N for a signal)."""
-    if code is None:
-        return None
-    return 128 - code if code < 0 else code
 
 
 def _duration(seconds):
@@ -332,36 +325,27 @@ class JobsMixin:
         self._remember_attempt(run.attempt)
         took = _duration((run.finished_at or self.clock()) - (run.started_at or self.clock()))
         code = run.returncode
-        if run.stop_reason == STOP_ABANDON:
+        body = exit_report(
+            run.attempt, code, run.stop_reason, progress=run.snapshot()[0], log_tail=run.log_tail(), last_line=run.last_line()
+        )
+        if body is None:
+            supervisor.settle(run.job_dir)
+            if run.stop_reason == STOP_AGENT_EXIT:
+                # Not reported as a result: disconnecting hands the job back to the queue and takes this
+                # worker offline in one step, so the requeued job cannot be dispatched straight back here.
+                logger.info("Job %s stopped after %s (worker shutting down)", run.job_id, took)
+                self.leave("stopped by signal; the orchestrator requeues the job")
+                return
             logger.info("Job %s stopped (%s); not reported", run.job_id, describe_exit(code))
             self._after_job(reported=False)
             return
-        body: protocol.JobReport = {
-            "attempt": run.attempt,
-            "exit_code": _exit_code_field(code),
-            "progress": run.snapshot()[0] or None,
-            "log_tail": run.log_tail(),
-        }
-        if run.stop_reason == STOP_CANCEL:
-            body.update(status=protocol.CANCELLED, error="cancelled by the orchestrator")
+        if body["status"] == protocol.CANCELLED:
             logger.info("Job %s cancelled after %s", run.job_id, took)
-        elif run.stop_reason == STOP_AGENT_EXIT:
-            # Not reported as a result: disconnecting hands the job back to the queue and takes this
-            # worker offline in one step, so the requeued job cannot be dispatched straight back here.
-            logger.info("Job %s stopped after %s (worker shutting down)", run.job_id, took)
-            self.leave("stopped by signal; the orchestrator requeues the job")
-            return
-        elif code == 0:
-            body.update(status=protocol.COMPLETED, error=None)
+        elif body["status"] == protocol.COMPLETED:
             logger.info("Job %s completed in %s", run.job_id, took)
         else:
-            error = f"Training {describe_exit(code)}"
-            last = run.last_line()
-            if last:
-                error += f": {last}"
-            body.update(status=protocol.FAILED, error=error)
-            logger.info("Job %s failed after %s: %s", run.job_id, took, error)
-        self._queue_report(run.job_id, body)
+            logger.info("Job %s failed after %s: %s", run.job_id, took, body["error"])
+        self._queue_report(run.job_id, body)  # journaled first: then the supervisor's record is settled
 
     # --- results: journaled, then reported until the orchestrator answers ------------------------
 
@@ -369,10 +353,13 @@ class JobsMixin:
         """Hold ``body`` as ``job_id``'s result and report it; journal it to disk first unless told not to."""
         path = None
         if journal_it:
+            job_dir = Path(self.config.work_dir) / job_id
             try:
-                path = journal.write_outcome(Path(self.config.work_dir) / job_id, job_id, body)
+                path = journal.write_outcome(job_dir, job_id, body)
             except OSError as exc:
                 logger.warning("Could not write the result of job %s to disk (%s); it is held in memory only", job_id, exc)
+            else:
+                supervisor.settle(job_dir)  # the outcome supersedes the supervisor's record of the exit
         self.pending_report = (job_id, body)
         self.pending_journal = path
         self.report_backoff.reset()

@@ -1,11 +1,12 @@
 """Runs one training job: its directory, its config files, its process group, its output and progress."""
 
 import collections
-import ctypes
+import errno
 import json
 import logging
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +15,9 @@ import time
 from pathlib import Path
 
 from . import progress as progress_protocol
+from . import protocol
+from . import supervisor
+from .supervisor import parent_death_signal  # noqa: F401 - the harnesses and the local worker use it from here
 
 logger = logging.getLogger(__name__)
 
@@ -21,17 +25,65 @@ DEFAULT_COMMAND = (sys.executable, "-m", "simpletuner.train")
 TAIL_LINES = 200  # kept in memory; the last REPORTED_TAIL_LINES are sent to the orchestrator
 REPORTED_TAIL_LINES = 50
 MAX_LINE_CHARS = 2000
+FOLLOW_INTERVAL = 0.1  # how often the agent looks for new output in train.log, in seconds
 CONFIG_FILE = "config.json"
 DATALOADER_FILE = "multidatabackend.json"
 LOG_FILE = "train.log"
 # Environment the trainer must not inherit: the worker's own secrets.
 SCRUBBED_ENV = ("SIMPLETUNER_WORKER_TOKEN",)
-PR_SET_PDEATHSIG = 1
+SUPERVISOR = os.path.abspath(supervisor.__file__)  # run by path, isolated: see supervisor.py
 
 # Why the agent stopped a job: its own bookkeeping, never sent to the orchestrator. The first one wins.
 STOP_CANCEL = "cancel"  # the orchestrator cancelled it: reported as cancelled
 STOP_ABANDON = "abandon"  # no longer this worker's job: not reported at all
 STOP_AGENT_EXIT = "agent_exit"  # the agent is exiting: disconnecting hands the job back to the queue
+STOP_AGENT_DIED = "agent_died"  # the agent died and the supervisor stopped the trainer (supervisor.py)
+STOP_FILE = "stop.json"  # why the agent stopped the attempt, for a restarted agent: {"attempt", "reason"}
+
+
+def exit_code_field(code):
+    """Return a Popen return code as a shell reports it (128+N for a signal)."""
+    if code is None:
+        return None
+    return 128 - code if code < 0 else code
+
+
+def exit_report(attempt, code, stop_reason, *, progress, log_tail, last_line):
+    """Return the job report for an attempt that ended with ``code`` after ``stop_reason`` (None: not
+    stopped), with its final ``progress``, ``log_tail`` and last line of output; or None when the end
+    is no result to report.
+
+    The one rule, for a trainer the agent watched end and for one a restarted agent finds recorded:
+    abandoned → nothing; cancelled → ``cancelled``; exit 0 → ``completed``, even when the agent was
+    stopping it (it finished first); stopped because the agent exits or died → nothing (the
+    orchestrator requeues the job); any other code → ``failed``, with the last line of output.
+    """
+    if stop_reason == STOP_ABANDON:
+        return None
+    report = {"attempt": attempt, "exit_code": exit_code_field(code), "progress": progress or None, "log_tail": log_tail}
+    if stop_reason == STOP_CANCEL:
+        report.update(status=protocol.CANCELLED, error="cancelled by the orchestrator")
+    elif code == 0:
+        report.update(status=protocol.COMPLETED, error=None)
+    elif stop_reason in (STOP_AGENT_EXIT, STOP_AGENT_DIED):
+        return None
+    else:
+        error = f"Training {describe_exit(code)}"
+        if last_line:
+            error += f": {last_line}"
+        report.update(status=protocol.FAILED, error=error)
+    return report
+
+
+def recorded_stop(job_dir, attempt):
+    """Return why the agent stopped ``attempt`` in ``job_dir`` (``stop.json``), or None."""
+    try:
+        record = json.loads((Path(job_dir) / STOP_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("attempt") != attempt:
+        return None
+    return record.get("reason")
 
 
 def parse_command(raw):
@@ -66,6 +118,63 @@ def _dataloader_key(config):
     return "--data_backend_config" if dashed else "data_backend_config"
 
 
+def split_lines(data):
+    """Split trainer output into ``(complete lines, the rest)``; CR, LF and CRLF all end a line, and an
+    over-long unterminated line is cut into a line of its own."""
+    *lines, rest = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+    if len(rest) > MAX_LINE_CHARS * 4:
+        lines.append(rest)
+        rest = b""
+    return lines, rest
+
+
+class Output:
+    """A trainer's output as the agent reports it: ``SIMPLETUNER_PROGRESS`` lines folded into
+    ``progress``, the other lines kept as a tail. ``version`` changes with every change. Not locked."""
+
+    def __init__(self):
+        self.progress = {}
+        self.version = 0
+        self.tail = collections.deque(maxlen=TAIL_LINES)
+
+    def add(self, raw):
+        """Fold one line of output (bytes, any encoding: invalid UTF-8 is replaced)."""
+        text = raw.decode("utf-8", errors="replace").rstrip()
+        update = progress_protocol.parse_line(text)
+        if update is not None:
+            self.progress = progress_protocol.merge(self.progress, update)
+        elif text.strip():
+            self.tail.append(text[:MAX_LINE_CHARS])
+        else:
+            return
+        self.version += 1
+
+    def log_tail(self, lines=REPORTED_TAIL_LINES):
+        return "\n".join(list(self.tail)[-lines:])
+
+    def last_line(self):
+        return self.tail[-1] if self.tail else ""
+
+
+def read_log(job_dir, *, max_bytes=1 << 20):
+    """Return the ``Output`` of the last ``max_bytes`` of ``<job_dir>/train.log`` (empty if there is none):
+    what a restarted agent knows of a trainer that ended while no agent was watching."""
+    output = Output()
+    try:
+        with open(Path(job_dir) / LOG_FILE, "rb") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            fh.seek(max(size - max_bytes, 0))
+            data = fh.read()
+    except OSError:
+        return output
+    if size > max_bytes:
+        data = data.split(b"\n", 1)[-1]  # the first line read is likely cut
+    lines, rest = split_lines(data)
+    for line in [*lines, rest] if rest else lines:
+        output.add(line)
+    return output
+
+
 class JobRun:
     """One attempt of one job on this node.
 
@@ -92,11 +201,10 @@ class JobRun:
         self.stop_reason = None  # None, or why we stopped it: one of the STOP_* reasons
         self.started_at = None
         self.finished_at = None
-        self.progress = {}
-        self.progress_version = 0  # bumped on every progress or output change
-        self._tail = collections.deque(maxlen=TAIL_LINES)
+        self.output = Output()
         self._lock = threading.Lock()
         self._stopping = threading.Event()
+        self._ended = threading.Event()  # the process has ended: the reader reads to the end and stops
 
     # --- set-up -------------------------------------------------------------------------------
 
@@ -126,88 +234,89 @@ class JobRun:
         )
         return env
 
+    def supervised_command(self):
+        """The argv that runs the trainer under its supervisor (which records its exit: supervisor.py)."""
+        return [sys.executable, "-I", SUPERVISOR, "--grace", f"{self.grace:g}", "--", *self.command]
+
     def start(self):
-        """Prepare and start the trainer; raise OSError (e.g. command not found) if it cannot start."""
+        """Prepare and start the trainer; raise OSError (e.g. command not found) if it cannot start.
+
+        The process started is the trainer's supervisor, which leads the job's process group, runs the
+        trainer in it, writes ``exit.json`` when it ends, and exits as it did.
+        """
+        check_command(self.command)
         config_path = self.prepare()
-        log = open(self.job_dir / LOG_FILE, "ab")  # noqa: SIM115 - closed by the reader thread
-        try:
+        supervisor.settle(self.job_dir)  # an earlier attempt's records, handled at start-up: not this one's
+        (self.job_dir / STOP_FILE).unlink(missing_ok=True)
+        # The trainer writes its output straight to train.log, and the agent follows the file: what the
+        # trainer printed is on disk whatever happens to the agent (a restarted one reads it back).
+        log_path = self.job_dir / LOG_FILE
+        with open(log_path, "ab") as log:
+            offset = log.tell()
             self.process = subprocess.Popen(
-                self.command,
+                self.supervised_command(),
                 cwd=self.job_dir,
                 env=self.environment(config_path),
                 stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
+                stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: signals reach the whole tree
-                preexec_fn=parent_death_signal(),
+                preexec_fn=parent_death_signal(supervisor.PARENT_DEATH_SIGNAL),
             )
-        except BaseException:
-            log.close()
-            raise
         self.started_at = self._clock()
-        reader = threading.Thread(target=self._read, args=(log,), name=f"job-{self.job_id}-output", daemon=True)
+        reader = threading.Thread(target=self._follow, args=(log_path, offset), name=f"job-{self.job_id}-output", daemon=True)
         reader.start()
         threading.Thread(target=self._wait, args=(reader,), name=f"job-{self.job_id}-wait", daemon=True).start()
         return self
 
     # --- output -------------------------------------------------------------------------------
 
-    def _read(self, log):
-        fd = self.process.stdout.fileno()
+    def _follow(self, log_path, offset):
+        """Follow train.log from ``offset`` (this attempt's first byte) until the process has ended and
+        everything it wrote is read, folding each line into the output."""
         pending = b""
         try:
-            while True:
-                chunk = os.read(fd, 65536)
-                if not chunk:
-                    break
-                log.write(chunk)
-                log.flush()
-                pending += chunk
-                *lines, pending = pending.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
-                for line in lines:
-                    self._line(line)
-                if len(pending) > MAX_LINE_CHARS * 4:
-                    self._line(pending)
-                    pending = b""
-            if pending:
-                self._line(pending)
+            with open(log_path, "rb") as log:
+                log.seek(offset)
+                while True:
+                    chunk = log.read(65536)
+                    if chunk:
+                        lines, pending = split_lines(pending + chunk)
+                        for line in lines:
+                            self._line(line)
+                    elif self._ended.is_set():
+                        break  # ended, and read to the end of the file after that
+                    else:
+                        self._ended.wait(FOLLOW_INTERVAL)
         except OSError as exc:
-            logger.debug("job %s: output read ended: %s", self.job_id, exc)
-        finally:
-            log.close()
-            self.process.stdout.close()
+            logger.warning("job %s: reading its output stopped: %s", self.job_id, exc)
+        if pending:
+            self._line(pending)
 
     def _line(self, raw):
-        text = raw.decode("utf-8", errors="replace").rstrip()
-        update = progress_protocol.parse_line(text)
         with self._lock:
-            if update is not None:
-                self.progress = progress_protocol.merge(self.progress, update)
-            elif text.strip():
-                self._tail.append(text[:MAX_LINE_CHARS])
-            else:
-                return
-            self.progress_version += 1
+            self.output.add(raw)
 
     def log_tail(self, lines=REPORTED_TAIL_LINES):
         """Return the last ``lines`` lines of output (progress lines excluded)."""
         with self._lock:
-            return "\n".join(list(self._tail)[-lines:])
+            return self.output.log_tail(lines)
 
     def last_line(self):
         with self._lock:
-            return self._tail[-1] if self._tail else ""
+            return self.output.last_line()
 
     def snapshot(self):
         """Return ``(progress, version)`` consistently."""
         with self._lock:
-            return dict(self.progress), self.progress_version
+            return dict(self.output.progress), self.output.version
 
     # --- lifecycle ----------------------------------------------------------------------------
 
     def _wait(self, reader):
         self.returncode = self.process.wait()
         self._signal(signal.SIGTERM)  # children the trainer left behind would hold GPU memory
+        self._ended.set()
         reader.join(timeout=5)
         self.finished_at = self._clock()
         self._stopping.set()
@@ -228,6 +337,10 @@ class JobRun:
         """
         if self.stop_reason is None:
             self.stop_reason = reason
+            try:  # for a restarted agent, should this one die before it handles the trainer's end
+                _write_json(self.job_dir / STOP_FILE, {"attempt": self.attempt, "reason": reason})
+            except OSError as exc:
+                logger.warning("job %s: could not record why it was stopped: %s", self.job_id, exc)
         if not self.running:
             return
         self._signal(signal.SIGTERM)
@@ -252,27 +365,16 @@ class JobRun:
             logger.warning("job %s: cannot signal its process group: %s", self.job_id, exc)
 
 
-def parent_death_signal(sig=signal.SIGTERM):
-    """Return a preexec_fn making Linux send ``sig`` to the child when its parent dies, or None elsewhere.
-
-    A trainer whose agent is gone (kill -9 included) can report nothing and its job is requeued
-    elsewhere: it must not keep the GPU busy. Linux ties the signal to the *thread* that forked, so
-    the child must be spawned by a thread that lives as long as the child (the agent's main thread).
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child only calls it
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def set_parent_death_signal():
-        prctl(PR_SET_PDEATHSIG, int(sig))
-        if os.getppid() != parent:  # the parent died before the request took effect
-            os._exit(1)
-
-    return set_parent_death_signal
+def check_command(command):
+    """Raise OSError (ENOENT or EACCES, as exec would) if ``command``'s program cannot be run."""
+    program = command[0]
+    if os.sep in program:
+        if not os.path.exists(program):
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
+        if os.path.isdir(program) or not os.access(program, os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), program)
+    elif shutil.which(program) is None:
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
 
 
 def _write_json(path, data):

@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import requests
 
-from worker_agent.runner import parent_death_signal
+from worker_agent.runner import SUPERVISOR, parent_death_signal
 
 from .harness import REPO_ROOT, expect, poll
 
@@ -187,13 +187,16 @@ class AgentProcess:
             pass
 
 
-def trainer_processes(job_dir):
-    """Return the live processes running in ``job_dir`` (the trainer runs with the job dir as its cwd)."""
+def trainer_processes(job_dir, *, supervisors=False):
+    """Return the live processes running in ``job_dir`` (the trainer runs with the job dir as its cwd),
+    its supervisor (worker_agent/supervisor.py) left out unless ``supervisors``."""
     wanted = os.path.realpath(job_dir)
     found = []
-    for process in psutil.process_iter(["pid", "cwd", "status"]):
+    for process in psutil.process_iter(["pid", "cwd", "status", "cmdline"]):
         cwd = process.info.get("cwd")
-        if cwd and os.path.realpath(cwd) == wanted and process.info.get("status") != psutil.STATUS_ZOMBIE:
+        if not cwd or os.path.realpath(cwd) != wanted or process.info.get("status") == psutil.STATUS_ZOMBIE:
+            continue
+        if supervisors or SUPERVISOR not in (process.info.get("cmdline") or ()):
             found.append(process)
     return found
 
@@ -290,7 +293,7 @@ class AgentRunner:
         for agent in self.agents:
             if agent.work_dir is not None and agent.work_dir.is_dir():
                 for job_dir in agent.work_dir.iterdir():
-                    for process in trainer_processes(job_dir):
+                    for process in trainer_processes(job_dir, supervisors=True):
                         process.kill()
         for job_id in self.jobs:
             try:

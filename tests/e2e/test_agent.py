@@ -2,6 +2,7 @@
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ from .agent_harness import (
     worker_when,
     write_import_blocker,
 )
-from worker_agent import protocol
+from worker_agent import protocol, supervisor
 
 from .faults import TcpProxy
 from .harness import free_port, poll
@@ -421,6 +422,22 @@ def trainer_runs(job_dir):
         return 0
 
 
+def restart_and_see_it_completed_once(orchestrator, agents, agent, worker, job_id, attempt):
+    """Start the next agent on ``agent``'s node; wait for the job to end: completed on its one attempt."""
+    again = agents.spawn(
+        agent.argv[3:],
+        label=f"{agent.label}-again",
+        env=agents.env(SIMPLETUNER_WORKER_TOKEN=worker.token),
+        work_dir=agent.work_dir,
+        worker=worker,
+    )
+    job = job_in(orchestrator, job_id, "completed", "failed", "cancelled", "queued", timeout=JOB_DEADLINE_S)
+    assert (job["status"], job["exit_code"], job["attempt_count"]) == ("completed", 0, 1), job
+    assert [(a["lease_id"], a["outcome"], a["worker_id"]) for a in job["attempts"]] == [(attempt, "completed", worker.id)]
+    assert "training complete: step 60" in job["log_tail"]
+    return again
+
+
 @pytest.mark.parametrize("death", ["kill -9", "SIGTERM"])
 def test_result_of_a_finished_trainer_outlives_its_agent(orchestrator, fleet, agents, death):
     """The trainer finishes while the orchestrator cannot be reached; the agent dies holding the result
@@ -456,17 +473,7 @@ def test_result_of_a_finished_trainer_outlives_its_agent(orchestrator, fleet, ag
         assert journal_path.exists() and trainer_runs(job_dir) == 1
         proxy.heal()
 
-        again = agents.spawn(
-            agent.argv[3:],
-            label=f"{agent.label}-again",
-            env=agents.env(SIMPLETUNER_WORKER_TOKEN=worker.token),
-            work_dir=agent.work_dir,
-            worker=worker,
-        )
-        job = job_in(orchestrator, job_id, "completed", "failed", "cancelled", "queued", timeout=JOB_DEADLINE_S)
-        assert (job["status"], job["exit_code"], job["attempt_count"]) == ("completed", 0, 1), job
-        assert [(a["lease_id"], a["outcome"], a["worker_id"]) for a in job["attempts"]] == [(attempt, "completed", worker.id)]
-        assert "training complete: step 60" in job["log_tail"]
+        again = restart_and_see_it_completed_once(orchestrator, agents, agent, worker, job_id, attempt)
         reported = again.wait_for_line(f"Reported the result of job {job_id} (attempt {attempt}: completed) kept from before")
         registered = again.wait_for_line(f"Registered as {worker.name} ({worker.id})")
         assert reported < registered, again.describe()
@@ -486,6 +493,49 @@ def test_result_of_a_finished_trainer_outlives_its_agent(orchestrator, fleet, ag
         no_traceback(again)
     finally:
         proxy.stop()
+
+
+def test_a_trainer_that_ends_as_its_agent_dies_is_reported_by_the_next_agent(orchestrator, fleet, agents):
+    """The agent dies in the instant its trainer completes, before it could journal the result: frozen
+    (SIGSTOP, so it cannot see the trainer end), the trainer completes, then kill -9. The trainer's
+    supervisor recorded the exit; the next agent on the node journals and reports it before
+    registering: the job completes on its one attempt, and its trainer never runs again."""
+    labels = {"pool": fleet.tag}
+    worker = fleet.create_worker(labels=labels)
+    agent = agents.start(worker)
+    agents.wait_ready(agent)
+    job_id = agents.submit(labels=labels, config=CUT_JOB)["job_id"]
+    job_dir = agent.work_dir / job_id
+    mid = job_mid_run(orchestrator, job_id)
+    (attempt,) = [a["lease_id"] for a in mid["attempts"]]
+
+    agent.send_signal(signal.SIGSTOP)  # its threads freeze; the trainer and its supervisor run on
+    try:
+        exit_path = job_dir / supervisor.EXIT_FILE
+        poll(exit_path.exists, timeout=JOB_DEADLINE_S, message=f"{exit_path} to be written")
+        record = json.loads(exit_path.read_text())
+        assert (record["job_id"], record["attempt"], record["returncode"], record["stopped_by_supervisor"]) == (
+            job_id,
+            attempt,
+            0,
+            False,
+        )
+        assert not (job_dir / "outcome.json").exists()  # the agent never saw the end
+    finally:
+        agent.kill()  # SIGKILL ends a stopped process too
+    assert orchestrator.job(job_id)["status"] == "running"
+
+    again = restart_and_see_it_completed_once(orchestrator, agents, agent, worker, job_id, attempt)
+    again.wait_for_line(f"Job {job_id} (attempt {attempt}) completed while no agent watched")
+    reported = again.wait_for_line(f"Reported the result of job {job_id} (attempt {attempt}: completed) kept from before")
+    registered = again.wait_for_line(f"Registered as {worker.name} ({worker.id})")
+    assert reported < registered, again.describe()
+    assert not exit_path.exists() and (job_dir / supervisor.SETTLED_FILE).is_file()
+    worker_when(orchestrator, worker.id, lambda w: (w["status"], w["current_job_id"]) == ("idle", None))
+    again.assert_keeps_running(NEGATIVE_WINDOW_S)
+    assert trainer_runs(job_dir) == 1
+    assert not orchestrator.audit(target_id=job_id, action="job.requeued")
+    no_traceback(again)
 
 
 def unread_requests(server_port, client_pid):

@@ -7,11 +7,16 @@ job), printed as ``SIMPLETUNER_PROGRESS`` steps. Its very last act is one ``writ
 ``{"job_id", "attempt", "pid", "time", "job_dir"}`` to the ledger, opened ``O_APPEND`` and fsynced, then
 exit 0: a ledger line is a trainer that completed, and the soak's audit counts them per job. SIGTERM
 (the agent stopping it, or its agent's death) ends it at once with no line, as it would a real run.
+
+The line and the exit 0 are one step: SIGTERM is blocked before the line is written and the process
+ends with ``os._exit(0)`` right after, so a trainer that wrote its line always exits 0 (a signal in
+between would otherwise make a completed run look killed: the agent's contract is the exit code).
 """
 
 import json
 import os
 import random
+import signal
 import sys
 import time
 
@@ -44,6 +49,7 @@ def main():
     for step in range(1, STEPS + 1):
         time.sleep(seconds / STEPS)
         report(step, STEPS, loss=1.0 / step)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})  # the commit: line + exit 0
     append_line(
         config["ledger"],
         {
@@ -54,7 +60,7 @@ def main():
             "job_dir": os.environ.get("SIMPLETUNER_JOB_DIR", ""),
         },
     )
-    return 0
+    os._exit(0)  # at once: no interpreter teardown between the line and the exit
 
 
 if __name__ == "__main__":
