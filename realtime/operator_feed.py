@@ -12,13 +12,13 @@ import threading
 from django.http import StreamingHttpResponse
 from django_eventstream import eventstream as es_eventstream
 from django_eventstream import send_event
-from django_eventstream.eventrequest import EventRequest
 from django_eventstream.views import Listener, stream
 from redis.exceptions import RedisError
 
 from common.http import error_response
 
 from .db import in_db_thread
+from .event_requests import event_request_for
 
 logger = logging.getLogger(__name__)
 
@@ -133,15 +133,9 @@ async def operator_changes_stream(request):
     if refusal:
         return error_response(*refusal)
     request.user = OperatorPrincipal(user_id)
-    # The feed is unstored: there is nothing to resume, so resume hints (and channel picks) are ignored.
-    request.META.pop("HTTP_LAST_EVENT_ID", None)
-    request.GET = request.GET.copy()
-    for hint in ("lastEventId", "es-meta", "channel", "channels"):
-        request.GET.pop(hint, None)
-    try:
-        event_request = EventRequest(request, view_kwargs={"channels": [CHANGES_CHANNEL]})
-    except EventRequest.Error as exc:
-        return error_response("invalid_request", str(exc), 400)
+    # The feed is unstored: there is nothing to resume, so resume hints (and the library's own
+    # parameters) are ignored.
+    event_request = event_request_for([CHANGES_CHANNEL], {}, request.user)
     listener = Listener()
     listener.user_id = request.user.pk
     listener.channels = event_request.channels

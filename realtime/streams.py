@@ -8,9 +8,9 @@ connection (see ``simpletuner_site.asgi`` for the handler that skips the per-req
 import logging
 import re
 import uuid
+from urllib.parse import unquote
 
 from django.http import StreamingHttpResponse
-from django_eventstream.eventrequest import EventRequest
 from django_eventstream.eventstream import get_current_event_id
 from django_eventstream.utils import parse_last_event_id, sse_encode_event
 from django_eventstream.views import Listener, stream
@@ -23,6 +23,7 @@ from workers import services
 from workers.models import TokenKind
 
 from .db import in_db_thread
+from .event_requests import event_request_for
 from .listeners import StreamPrincipal
 from .publish import worker_channel
 
@@ -64,6 +65,21 @@ def _close(worker_id, stream_id):
     services.worker_stream_closed(worker_id=worker_id, stream_id=stream_id)
 
 
+def requested_resume(request):
+    """Return ``{channel: last id}`` from the request's Last-Event-ID (the header, else the last non-empty
+    ``lastEventId`` parameter), ``{}`` without one; raise ValueError for a malformed one. Decided before
+    the stream is marked open, so a refused request changes nothing."""
+    last_event_id = request.headers.get("Last-Event-ID") or next(
+        (value for value in reversed(request.GET.getlist("lastEventId")) if value), ""
+    )
+    if not last_event_id:
+        return {}
+    try:
+        return {unquote(channel): last_id for channel, last_id in parse_last_event_id(last_event_id).items()}
+    except ValueError:
+        raise ValueError("Last-Event-ID must look like worker-<id>:<n>") from None
+
+
 async def worker_stream(request):
     """GET protocol.STREAM_PATH: the calling worker's dispatch feed (401 without its valid token)."""
     if request.method != "GET":
@@ -71,33 +87,35 @@ async def worker_stream(request):
     secret = request.headers.get(protocol.WORKER_TOKEN_HEADER)
     if not secret:
         return error_response("not_authenticated", f"{protocol.WORKER_TOKEN_HEADER} header is required", 401)
-    last_event_id = request.headers.get("Last-Event-ID") or request.GET.get("lastEventId")
+    try:
+        resume = requested_resume(request)
+    except ValueError as exc:
+        return error_response("invalid_last_event_id", str(exc), 400)
     stream_id = uuid.uuid4().hex
-    token, current_id, refusal = await _open(
-        secret, request.GET.get("worker_id"), stream_id, bool(last_event_id), client_ip(request)
-    )
+    token, current_id, refusal = await _open(secret, request.GET.get("worker_id"), stream_id, bool(resume), client_ip(request))
     if token is None:
         status = 403 if refusal.startswith("this token") else 401
         return error_response("not_authenticated" if status == 401 else "permission_denied", refusal, status)
 
+    # From here the worker is marked stream-connected: whatever happens, this stream is closed again
+    # (a stream that failed to open must never count as open).
     worker_id = token.worker_id
-    principal = StreamPrincipal(token.pk, worker_id)
-    request.user = principal  # the library reads request.user; this skips the session lookup
-    channel = worker_channel(worker_id)
     try:
-        event_request = EventRequest(request, view_kwargs={"channels": [channel]})
-    except EventRequest.Error as exc:
+        principal = StreamPrincipal(token.pk, worker_id)
+        request.user = principal  # the library reads request.user; this skips the session lookup
+        channel = worker_channel(worker_id)
+        # Without a resume point for this channel, start from the id current *before* the stream was
+        # marked open, so an event published in between (a dispatch triggered by the open itself) is
+        # read from storage, not lost.
+        last_ids = {channel: resume[channel]} if channel in resume else parse_last_event_id(current_id)
+        event_request = event_request_for([channel], last_ids, principal)
+        listener = Listener()
+        listener.user_id = principal.pk
+        listener.channels = event_request.channels
+        listener.principal = principal
+    except BaseException:
         await _close(worker_id, stream_id)
-        return error_response("invalid_last_event_id", str(exc), 400)
-    if channel not in event_request.channel_last_ids:
-        # Start from the id current *before* the stream was marked open, so an event published in
-        # between (a dispatch triggered by the open itself) is read from storage, not lost.
-        event_request.channel_last_ids = parse_last_event_id(current_id)
-
-    listener = Listener()
-    listener.user_id = principal.pk
-    listener.channels = event_request.channels
-    listener.principal = principal
+        raise
 
     async def body():
         try:
@@ -112,7 +130,7 @@ async def worker_stream(request):
             await _close(worker_id, stream_id)
             logger.info("stream closed for worker %s", worker_id)
 
-    logger.info("stream opened for worker %s%s", worker_id, " (resuming)" if last_event_id else "")
+    logger.info("stream opened for worker %s%s", worker_id, " (resuming)" if resume else "")
     response = StreamingHttpResponse(body(), content_type="text/event-stream")
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"

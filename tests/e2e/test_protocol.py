@@ -322,3 +322,27 @@ def test_upstream_agent_wire_protocol(orchestrator, fleet):
         else:
             assert event.data == ""
     assert [e.type for e in stream.received() if ours(e)] == ["job_submit", "job_submit", "job_cancel"]
+
+
+def test_a_stream_refused_or_with_the_librarys_own_parameters_never_leaves_a_phantom(orchestrator, fleet):
+    """The library's own stream parameters (signed metadata, GRIP recovery, paging, channel choice) are
+    ignored, never a 500; a stream refused for a bad Last-Event-ID changes nothing, so the worker's
+    open stream keeps receiving its jobs; a stream that closes is never left counted as open."""
+    pool = {"pool": fleet.tag}
+    worker = fleet.create_worker(labels=pool)
+    worker.register()
+
+    for params in ({"es-meta": "x"}, {"recover": "true"}, {"link": "next"}, {"channels": "worker-w_0"}):
+        odd = fleet.open_stream(worker, params=params)
+        assert worker.state()["stream_connected"] is True, params
+        odd.close()
+        poll(lambda: not worker.state()["stream_connected"], timeout=10, message=f"the stream with {params} to count as closed")
+
+    first = fleet.open_stream(worker)
+    for bad in ("error", "garbage", "a:b:c"):
+        refused = orchestrator.stream(worker.token, last_event_id=bad)
+        assert refused.status_code == 400, f"Last-Event-ID {bad!r}: HTTP {refused.status_code}"
+        assert json.loads(refused.body)["code"] == "invalid_last_event_id"
+    assert worker.state()["stream_connected"] is True
+    job_id = fleet.submit({"config_name": "e2e-phantom", "worker_labels": pool})["job_id"]
+    assert first.wait_for("job_submit").json()["job_id"] == job_id
