@@ -15,3 +15,12 @@ def ago(moment, now=None):
     if seconds < 48 * 3600:
         return f"{seconds // 3600} h ago"
     return f"{seconds // 86400} d ago"
+
+
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x20), 0x7F)} | {c: f"\\u{c:04x}" for c in range(0x80, 0xA0)}
+
+
+def printable(text):
+    """Return ``text`` with its control characters (C0, DEL, C1: terminal escapes among them) written as
+    ``\\xNN`` / ``\\uNNNN``, for a terminal: a worker's name or labels must not drive the operator's screen."""
+    return str(text).translate(_CONTROL)

@@ -57,6 +57,8 @@ def run_server(args):
         supplied_cert = load_tls_pair(args.ssl_certfile, args.ssl_keyfile)
 
     os.environ["DJANGO_SETTINGS_MODULE"] = SETTINGS_MODULE
+    if args.ssl or supplied_cert is not None:
+        os.environ["SIMPLETUNER_TLS"] = "true"  # secure cookies and HSTS (settings.SERVES_TLS)
     import django
     from django.conf import settings
     from django.core.exceptions import ImproperlyConfigured

@@ -63,11 +63,28 @@ def _env_choice(name, default, choices):
 
 
 DATA_DIR = Path(os.environ.get("SIMPLETUNER_DATA_DIR") or "./var").resolve()
-DATA_DIR.mkdir(parents=True, exist_ok=True)
+DATA_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
+# The data directory holds the SQLite database, the secret key and the TLS key: its owner only.
+if DATA_DIR.stat().st_mode & 0o077 and DATA_DIR.stat().st_uid == os.getuid():
+    DATA_DIR.chmod(0o700)
+
+# Production mode: refuses to start with an example or weak secret key or without ALLOWED_HOSTS, and
+# turns on the HTTPS-only settings (`manage.py check --deploy` is clean). See SECURITY.md.
+PRODUCTION = _env_bool("SIMPLETUNER_PRODUCTION", False)
+EXAMPLE_SECRET_KEYS = {"CHANGE-ME", "change-me", "changeme", "secret", "django-insecure"}
 
 
 def _secret_key():
     key = os.environ.get("DJANGO_SECRET_KEY")
+    if PRODUCTION:
+        if not key:
+            raise ImproperlyConfigured("production mode needs DJANGO_SECRET_KEY (the same on every server)")
+        # Django's own bar (security.W009): at least 50 characters, 5 distinct, not an example.
+        if key.strip() in EXAMPLE_SECRET_KEYS or key.startswith("django-insecure-") or len(key) < 50 or len(set(key)) < 5:
+            raise ImproperlyConfigured(
+                "DJANGO_SECRET_KEY is an example or too weak for production mode: use 50 or more random "
+                "characters, e.g. python -c 'import secrets; print(secrets.token_urlsafe(50))'"
+            )
     if key:
         return key
     path = DATA_DIR / "secret_key"
@@ -82,7 +99,12 @@ def _secret_key():
 
 SECRET_KEY = _secret_key()
 DEBUG = _env_bool("DJANGO_DEBUG", False)
-ALLOWED_HOSTS = [h.strip() for h in os.environ.get("DJANGO_ALLOWED_HOSTS", "*").split(",") if h.strip()]
+ALLOWED_HOSTS = [h.strip() for h in os.environ.get("DJANGO_ALLOWED_HOSTS", "" if PRODUCTION else "*").split(",") if h.strip()]
+if PRODUCTION and (not ALLOWED_HOSTS or "*" in ALLOWED_HOSTS):
+    raise ImproperlyConfigured(
+        "production mode needs DJANGO_ALLOWED_HOSTS: the host names this orchestrator answers to "
+        "(comma-separated, no '*'): requests for any other Host are refused"
+    )
 CSRF_TRUSTED_ORIGINS = [
     o.strip() for o in os.environ.get("DJANGO_CSRF_TRUSTED_ORIGINS", "").split(",") if o.strip()
 ]
@@ -110,6 +132,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "common.middleware.APINoStoreMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -286,6 +309,30 @@ WHITENOISE_USE_FINDERS = True
 WHITENOISE_AUTOREFRESH = DEBUG
 
 SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https") if _env_bool("DJANGO_BEHIND_TLS_PROXY", False) else None
+
+# --- HTTPS: on when the server serves TLS (`simpletuner server --ssl` sets SIMPLETUNER_TLS), sits
+# behind a TLS proxy, or runs in production mode ----------------------------------------------------
+SERVES_TLS = PRODUCTION or SECURE_PROXY_SSL_HEADER is not None or _env_bool("SIMPLETUNER_TLS", False)
+SESSION_COOKIE_SECURE = SERVES_TLS
+CSRF_COOKIE_SECURE = SERVES_TLS
+SECURE_HSTS_SECONDS = _env_int("DJANGO_HSTS_SECONDS", 31_536_000 if SERVES_TLS else 0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = _env_bool("DJANGO_HSTS_INCLUDE_SUBDOMAINS", True)
+# Preloading is a commitment browsers keep for months, made by submitting the domain: the operator's
+# call, off by default; Django's reminder about it (security.W021) is silenced until then.
+SECURE_HSTS_PRELOAD = _env_bool("DJANGO_HSTS_PRELOAD", False)
+SILENCED_SYSTEM_CHECKS = [] if SECURE_HSTS_PRELOAD else ["security.W021"]
+# Plain HTTP is redirected to HTTPS by whoever terminates TLS: this server when it serves TLS itself in
+# production; the proxy when there is one (deploy/nginx redirects port 80), since behind it this
+# server's own port is plain HTTP on loopback, which the built-in local worker and a scraper use.
+SECURE_SSL_REDIRECT = _env_bool("DJANGO_SECURE_SSL_REDIRECT", PRODUCTION and SECURE_PROXY_SSL_HEADER is None)
+SECURE_REDIRECT_EXEMPT = [r"^metrics$"]  # a scraper on the server's own port
+if SECURE_PROXY_SSL_HEADER is not None and not SECURE_SSL_REDIRECT:
+    SILENCED_SYSTEM_CHECKS.append("security.W008")  # the TLS proxy redirects
+# The stream URL handed to agents at registration. Unset: built from the request's Host, which
+# ALLOWED_HOSTS bounds (set it to the address agents must use, e.g. https://orchestrator.example.com).
+PUBLIC_URL = os.environ.get("SIMPLETUNER_PUBLIC_URL", "").rstrip("/")
+if PUBLIC_URL and urlparse(PUBLIC_URL).scheme not in {"http", "https"}:
+    raise ImproperlyConfigured(f"SIMPLETUNER_PUBLIC_URL must be an http(s):// URL, got {PUBLIC_URL!r}")
 
 LOGGING = {
     "version": 1,

@@ -87,7 +87,9 @@ class RegisterView(WorkerAPIView):
             self.audit_refusal(request, exc)
             raise
         result = agents.worker_register(worker_id=self.worker.pk, data=data, actor=self.actor)
-        result["sse_url"] = request.build_absolute_uri(f"{protocol.STREAM_PATH}?worker_id={self.worker.pk}")
+        stream_path = f"{protocol.STREAM_PATH}?worker_id={self.worker.pk}"
+        # SIMPLETUNER_PUBLIC_URL when set; otherwise the request's own address (its Host is one of ALLOWED_HOSTS).
+        result["sse_url"] = settings.PUBLIC_URL + stream_path if settings.PUBLIC_URL else request.build_absolute_uri(stream_path)
         result["heartbeat_interval"] = worker_services.heartbeat_interval()
         result["dispatch_ack_timeout"] = settings.SIMPLETUNER["DISPATCH_ACK_TIMEOUT"]
         return Response(result)

@@ -169,6 +169,13 @@ def test_ssl_generates_a_certificate_once_and_serves_https_with_it(start_server,
     assert cert_path.read_bytes() == cert_bytes
     assert FINGERPRINT.search(second.log()).group(1) == printed.group(1)
 
+    # Served over TLS: HSTS, and the admin's cookies are Secure.
+    login = requests.get(f"https://localhost:{second.port}/admin/login/", verify=str(cert_path), timeout=5)
+    assert login.status_code == 200
+    assert login.headers["Strict-Transport-Security"].startswith("max-age=31536000")
+    assert "; secure" in login.headers["Set-Cookie"].lower()
+    assert stat.S_IMODE(data_dir.stat().st_mode) == 0o700  # the database, secret key and TLS key: owner only
+
 
 def _local_workers(db_path):
     with sqlite3.connect(db_path) as conn:

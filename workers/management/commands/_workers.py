@@ -7,6 +7,7 @@ from django.db.models import Q
 
 from audit.services import Actor
 from common.errors import ServiceError
+from common.humanize import printable
 from workers.models import Worker
 
 
@@ -49,4 +50,4 @@ def worker_lookup(value):
 
 def describe(worker):
     """Return ``name (id)`` for messages."""
-    return f"{worker.name} ({worker.pk})"
+    return printable(f"{worker.name} ({worker.pk})")

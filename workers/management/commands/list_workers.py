@@ -3,7 +3,7 @@
 from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
-from common.humanize import ago
+from common.humanize import ago, printable
 from workers.models import Worker, WorkerStatus
 
 COLUMNS = ("ID", "NAME", "TYPE", "STATUS", "GPUS", "LABELS", "JOB", "HEARTBEAT")
@@ -32,7 +32,7 @@ def row(worker, now):
     if worker.drain_requested_at is not None and status != WorkerStatus.DRAINING:
         status += " (drain requested)"
     labels = ",".join(f"{key}={value}" for key, value in sorted(worker.labels.items())) or "-"
-    return (
+    cells = (
         worker.pk,
         worker.name,
         worker.worker_type,
@@ -42,6 +42,7 @@ def row(worker, now):
         worker.current_job_id or "-",
         ago(worker.last_heartbeat, now),
     )
+    return tuple(printable(cell) for cell in cells)  # names, labels and GPU names come from workers
 
 
 def table(rows):
