@@ -139,6 +139,7 @@ class AttemptOutcome(models.TextChoices):
     CANCELLED = "cancelled", "Cancelled"
     LOST = "lost", "Worker lost"
     UNACKNOWLEDGED = "unacknowledged", "Dispatch not acknowledged"
+    SUPERSEDED = "superseded", "Superseded (an earlier attempt completed)"
 
 
 class JobAttempt(models.Model):

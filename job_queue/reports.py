@@ -67,33 +67,61 @@ def job_record_progress(*, job_id, worker, data):
         Job.objects.filter(pk=job_id, worker_id=worker.pk, status__in=JOB_ACTIVE).update(**fields)
 
 
+class _HolderNotLocked(Exception):
+    """The late completion supersedes an attempt whose worker is not locked yet: lock it first and retry."""
+
+    def __init__(self, holder_id):
+        super().__init__(holder_id)
+        self.holder_id = holder_id
+
+
 def job_report(*, worker_id, job_id, data, actor):
     """Apply a worker's status report for ``job_id``; return ``{"job_id", "status", "accepted"}``.
 
     Only the worker holding the job's current attempt may report (``attempt`` fences older ones),
-    with one exception: the completion of a lost attempt is accepted while nothing has dispatched the
-    job again (``jobs_recover_completion``). Raise NotFound, StaleReport (409) for a job or attempt it no longer owns, or InvalidTransition.
+    with one exception: the completion of a lost attempt is accepted while the job has not finished,
+    superseding the attempt that runs it meanwhile, if any (``jobs_recover_completion``). Raise
+    NotFound, StaleReport (409) for a job or attempt it no longer owns, or InvalidTransition.
     """
     raw = data.get("status")
     if raw not in REPORTED_STATUS:
         raise InvalidInput(f"status must be one of {', '.join(protocol.REPORTED_STATUSES)}", code="invalid_status")
+    holder_id = None
+    for _ in range(3):  # the job's holder changes between tries only under a concurrent dispatch
+        try:
+            return _job_report(worker_id=worker_id, job_id=job_id, data=data, actor=actor, holder_id=holder_id)
+        except _HolderNotLocked as retry:
+            holder_id = retry.holder_id
+    raise StaleReport(f"job {job_id} is changing hands; report again", code=protocol.STALE_ATTEMPT)
+
+
+def _job_report(*, worker_id, job_id, data, actor, holder_id):
+    raw = data.get("status")
     target = REPORTED_STATUS[raw]
     lease = data.get("attempt") or data.get("lease_id")
     error = str(data.get("error") or "")
     with transaction.atomic():
-        # Worker before job, the order every worker-side service locks in (heartbeat, register,
-        # disconnect); the other order deadlocks against a concurrent heartbeat of the same agent.
-        worker = Worker.objects.select_for_update().get(pk=worker_id)
+        # Workers before the job, in id order: the order every worker-side service locks in (heartbeat,
+        # register, disconnect); the other order deadlocks against a concurrent heartbeat of the same agent.
+        workers = {w.pk: w for w in Worker.objects.select_for_update().filter(pk__in={worker_id, holder_id} - {None}).order_by("pk")}
+        worker = workers.get(worker_id) or Worker.objects.get(pk=worker_id)  # DoesNotExist: the caller's 404
         job = lock_job(job_id)
         if job is None:
             raise NotFound(f"job {job_id} does not exist")
         late = target == JobStatus.COMPLETED and recoverable_attempt(job=job, worker=worker, lease_id=lease)
         if late:
-            # The attempt was taken back (its worker went silent, or never acknowledged) but did finish,
-            # and nothing has run the job since: keep the result rather than run it again.
-            jobs_recover_completion(
+            # The attempt was taken back (its worker went silent, or never acknowledged) but did finish:
+            # keep the result rather than run the job again, and stop whatever runs it meanwhile.
+            holder = workers.get(job.worker_id) if job.worker_id else None
+            if job.status in JOB_ACTIVE and job.worker_id and holder is None:
+                raise _HolderNotLocked(job.worker_id)  # rolls back; locked in order on the next try
+            superseded = jobs_recover_completion(
                 job=job, attempt=late, actor=actor, journal=bool(data.get("journal")), **_progress_fields(data)
             )
+            if superseded and holder is not None:
+                worker_events.publish_on_commit(holder.pk, protocol.JOB_CANCEL, job_id=job.pk, attempt=superseded)
+                if holder.current_job_id == job.pk:
+                    workers_free_and_offer(workers=[holder], actor=actor, reason=f"job {job.pk} completed by an earlier attempt")
             return {"job_id": job.pk, "status": job.status, "accepted": True}
         refusal = None
         if job.worker_id != worker.pk:

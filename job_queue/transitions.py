@@ -17,7 +17,7 @@ from common.errors import InvalidTransition
 from worker_agent import protocol
 
 from . import events
-from .models import JOB_TRANSITIONS, AttemptOutcome, Job, JobAttempt, JobStatus
+from .models import JOB_ACTIVE, JOB_TERMINAL, JOB_TRANSITIONS, AttemptOutcome, Job, JobAttempt, JobStatus
 
 ERROR_MAX_CHARS = 4000
 # What a job that goes back to the queue forgets of its lost attempt.
@@ -102,30 +102,44 @@ RECOVERABLE_OUTCOMES = (AttemptOutcome.LOST, AttemptOutcome.UNACKNOWLEDGED)
 def recoverable_attempt(*, job, worker, lease_id):
     """Return ``job``'s attempt ``lease_id`` if ``worker`` may still complete it, else None.
 
-    That is: the job went back to the queue when this attempt (its latest, on this worker) was lost,
-    and nothing has dispatched it again.
+    That is: the attempt was taken back without its worker's word (lost, or never acknowledged) and
+    the job has not finished since: it waits in the queue, or another attempt runs it, which the late
+    completion supersedes (``jobs_recover_completion``).
     """
-    if job.status != JobStatus.QUEUED or not lease_id:
+    if job.status in JOB_TERMINAL or not lease_id or lease_id == job.lease_id:
         return None
     return JobAttempt.objects.filter(
-        job=job, lease_id=lease_id, worker_id=worker.pk, number=job.attempt_count, outcome__in=RECOVERABLE_OUTCOMES
+        job=job, lease_id=lease_id, worker_id=worker.pk, outcome__in=RECOVERABLE_OUTCOMES
     ).first()
 
 
 def jobs_recover_completion(*, job, attempt, actor, journal=False, now=None, **fields):
-    """Complete locked queued ``job`` with its lost ``attempt``, whose worker finished it after all.
+    """Complete locked ``job`` with its lost ``attempt``, whose worker finished it after all.
 
     The requeue is undone: the attempt ends ``completed``, a retry its loss spent is given back, and
-    the job records the attempt and worker that ran it. Return ``job``.
+    the job records the attempt and worker that ran it. An attempt that runs the job meanwhile (on
+    another worker, or this one) is superseded: it ends ``superseded`` and the caller frees its worker
+    and tells it to stop, so the trainer does not complete a second time. Return the superseded
+    attempt's lease id, or None.
     """
     now = now or timezone.now()
+    superseded = job.lease_id if job.status in JOB_ACTIVE else None
+    if superseded:
+        attempts_finish(
+            lease_ids=[superseded],
+            outcome=AttemptOutcome.SUPERSEDED,
+            error=f"attempt {attempt.number} completed first (its result arrived late)",
+            now=now,
+        )
     refund = attempt.outcome == AttemptOutcome.LOST and job.retry_count > 0
     JobAttempt.objects.filter(pk=attempt.pk, outcome__in=RECOVERABLE_OUTCOMES).update(
         outcome=AttemptOutcome.COMPLETED, error="", finished_at=now
     )
     progress = fields.pop("progress", None) or dict(job.progress or {})
     progress["fraction"] = 1.0
-    reason = f"late completion of attempt {attempt.number} on {attempt.worker_name}: its requeue is cancelled"
+    reason = f"late completion of attempt {attempt.number} on {attempt.worker_name}: " + (
+        f"it supersedes attempt {job.attempt_count} on {job.worker_name}" if superseded else "its requeue is cancelled"
+    )
     if journal:
         reason += f" ({protocol.FROM_JOURNAL})"
     jobs_transition(
@@ -158,12 +172,13 @@ def jobs_recover_completion(*, job, attempt, actor, journal=False, now=None, **f
                         "was": attempt.outcome,
                         "retry_refunded": refund,
                         "journal": journal,
-                    },
+                    }
+                    | ({"superseded": superseded} if superseded else {}),
                 )
             ],
         )
     )
-    return job
+    return superseded
 
 
 class Released:

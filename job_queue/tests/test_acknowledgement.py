@@ -170,24 +170,69 @@ def test_a_late_completion_of_a_lost_attempt_completes_the_job_and_cancels_the_r
     assert Job.objects.get(pk=job.pk).attempt_count == 1
 
 
-def test_once_another_attempt_holds_the_job_the_late_completion_is_refused_and_recorded(worker_client, settings):
-    first, second = WorkerFactory(name="first"), WorkerFactory(name="second")
-    job = _lost_running_job(first, settings)
-    old_lease = JobAttempt.objects.get(job=job).lease_id
-    # Dispatched again, to another worker.
-    Worker.objects.filter(pk=second.pk).update(last_heartbeat=timezone.now())
+def _dispatched_again(job, settings, first):
+    """``first``'s attempt of ``job`` is lost; the job is dispatched again to another worker: return it and its lease."""
     from job_queue.dispatch import dispatch_for_job
 
-    Worker.objects.filter(pk=second.pk).update(status=WorkerStatus.IDLE, stream_id="s-2")
+    second = WorkerFactory(name="second")
+    Worker.objects.filter(pk=second.pk).update(status=WorkerStatus.IDLE, stream_id="s-2", last_heartbeat=timezone.now())
     assert dispatch_for_job(job.pk).pk == second.pk
+    return second, _reload(job).lease_id
 
-    response = worker_client(first).post(
-        _status_path(job), {"status": "completed", "attempt": old_lease}, format="json"
-    )
+
+@pytest.mark.parametrize("acknowledged", [False, True], ids=["dispatched", "running"])
+def test_a_late_completion_supersedes_the_attempt_that_runs_the_job_meanwhile(
+    worker_client, settings, django_capture_on_commit_callbacks, acknowledged
+):
+    """The soak's twice-completed job: attempt 1 completed while its worker was lost; attempt 2 runs
+    elsewhere when the result arrives. The job completes with attempt 1; attempt 2 is superseded, its
+    worker freed and told to stop, so its trainer does not complete a second time."""
+    first = WorkerFactory(name="first")
+    job = _lost_running_job(first, settings)
+    old_lease = JobAttempt.objects.get(job=job).lease_id
+    second, new_lease = _dispatched_again(job, settings, first)
+    if acknowledged:
+        assert worker_client(second).post(_status_path(job), {"status": "starting", "attempt": new_lease}, format="json").status_code == 200
+
+    with django_capture_on_commit_callbacks(execute=True):
+        response = worker_client(first).post(
+            _status_path(job), {"status": "completed", "attempt": old_lease, "journal": True}, format="json"
+        )
+
+    assert response.status_code == 200, response.content
+    job = _reload(job)
+    assert (job.status, job.lease_id, job.worker_id, job.retry_count) == (JobStatus.COMPLETED, old_lease, first.pk, 0)
+    outcomes = dict(JobAttempt.objects.filter(job=job).values_list("lease_id", "outcome"))
+    assert outcomes == {old_lease: AttemptOutcome.COMPLETED, new_lease: AttemptOutcome.SUPERSEDED}
+    second = _reload(second)
+    assert (second.status, second.current_job_id) == (WorkerStatus.IDLE, None)
+    (recovered,) = audit_rows(actions.JOB_COMPLETION_RECOVERED, target_id=job.pk)
+    assert recovered.details["superseded"] == new_lease
+    from workers.tests.support import sent_events
+
+    cancels = [e for e in sent_events(second.pk) if e["type"] == "job_cancel"]
+    assert [(e["data"]["job_id"], e["data"]["attempt"]) for e in cancels] == [(job.pk, new_lease)]
+
+    # The superseded attempt's own report is refused: the job is not its worker's any more.
+    late = worker_client(second).post(_status_path(job), {"status": "cancelled", "attempt": new_lease}, format="json")
+    assert late.status_code == 409
+    assert _reload(job).status == JobStatus.COMPLETED
+
+
+def test_once_another_attempt_has_completed_the_job_the_late_completion_is_refused_and_recorded(worker_client, settings):
+    first = WorkerFactory(name="first")
+    job = _lost_running_job(first, settings)
+    old_lease = JobAttempt.objects.get(job=job).lease_id
+    second, new_lease = _dispatched_again(job, settings, first)
+    for status in ("starting", "completed"):
+        assert worker_client(second).post(_status_path(job), {"status": status, "attempt": new_lease}, format="json").status_code == 200
+
+    response = worker_client(first).post(_status_path(job), {"status": "completed", "attempt": old_lease}, format="json")
 
     assert response.status_code == 409
     assert response.json()["code"] == "job_not_owned"
-    assert _reload(job).status == JobStatus.DISPATCHED
+    job = _reload(job)
+    assert (job.status, job.lease_id) == (JobStatus.COMPLETED, new_lease)
     (refused,) = audit_rows(actions.JOB_REPORT_REFUSED, target_id=job.pk)
     assert refused.details["attempt"] == old_lease
 

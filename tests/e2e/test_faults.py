@@ -522,9 +522,8 @@ def test_a_dispatch_acknowledged_only_by_heartbeats_naming_it_is_never_requeued(
     assert server.job(job_id)["status"] == "completed"
 
 
-def test_a_late_completion_of_a_lost_attempt_is_kept_when_nothing_ran_the_job_since(server, stage):
-    """A worker that went silent mid-job (its job requeued) finishes it after all and says so with its
-    attempt: the result is kept and the job does not run again."""
+def lost_mid_job(server, stage):
+    """A raw-protocol worker starts a job, then goes silent until its job is requeued; return (worker, job id, attempt)."""
     worker = stage.worker()
     worker.register()
     stream = stage.fleet.open_stream(worker)
@@ -532,8 +531,14 @@ def test_a_late_completion_of_a_lost_attempt_is_kept_when_nothing_ran_the_job_si
     attempt = stream.wait_for("job_submit", where=lambda e: e.json()["job_id"] == job_id).json()["attempt"]
     worker.report(job_id, "starting", attempt=attempt)
     stream.close()  # and silence: no heartbeat until the health sweep has taken the worker offline
-
     job_when(server, job_id, lambda j: j["status"] == "queued", timeout=LOST_DEADLINE_S, message="the job requeued")
+    return worker, job_id, attempt
+
+
+def test_a_late_completion_of_a_lost_attempt_is_kept_when_nothing_ran_the_job_since(server, stage):
+    """A worker that went silent mid-job (its job requeued) finishes it after all and says so with its
+    attempt: the result is kept and the job does not run again."""
+    worker, job_id, attempt = lost_mid_job(server, stage)
     worker.report(job_id, "completed", attempt=attempt, exit_code=0)
 
     job = server.job(job_id)
@@ -541,6 +546,32 @@ def test_a_late_completion_of_a_lost_attempt_is_kept_when_nothing_ran_the_job_si
     assert attempts(job) == [(worker.id, "completed")]
     (recovered,) = audit_rows(server, target_id=job_id, action="job.completion_recovered")
     assert recovered["details"]["was"] == "lost"
+
+
+def test_a_late_completion_supersedes_the_attempt_that_runs_the_job_meanwhile(server, stage):
+    """The chaos soak's twice-completed job: a worker went silent mid-job (its job requeued and dispatched
+    to another worker), then reports that it had completed it. The result is kept; the other worker's
+    attempt is superseded: it is told to stop (job_cancel) and freed, and its report is refused."""
+    first, job_id, attempt = lost_mid_job(server, stage)
+    second = stage.worker()
+    second.register()
+    second_stream = stage.fleet.open_stream(second)
+    again = second_stream.wait_for("job_submit", where=lambda e: e.json()["job_id"] == job_id)
+    second_attempt = again.json()["attempt"]
+    second.report(job_id, "starting", attempt=second_attempt)
+
+    first.report(job_id, "completed", attempt=attempt, exit_code=0)
+
+    job = server.job(job_id)
+    assert (job["status"], job["worker_id"], job["retry_count"]) == ("completed", first.id, 0), job
+    assert attempts(job) == [(first.id, "completed"), (second.id, "superseded")]
+    cancel = second_stream.wait_for("job_cancel", where=lambda e: e.json()["job_id"] == job_id)
+    assert cancel.json()["attempt"] == second_attempt
+    worker_when(server, second.id, lambda w: (w["status"], w["current_job_id"]) == ("idle", None), message="second freed")
+    refused = second.call("POST", f"/api/workers/job/{job_id}/status", json={"status": "cancelled", "attempt": second_attempt})
+    assert refused.status_code == 409, refused.text
+    (recovered,) = audit_rows(server, target_id=job_id, action="job.completion_recovered")
+    assert recovered["details"]["superseded"] == second_attempt
 
 
 # --- 6. drain survives the agent's restart -------------------------------------------------------------
