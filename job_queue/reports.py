@@ -6,7 +6,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from audit import actions
-from audit.services import audit_record
+from audit.services import audit_record, audited_atomic
 from common.errors import InvalidInput, InvalidTransition, NotFound, StaleReport
 from worker_agent import protocol
 from workers import events as worker_events
@@ -80,7 +80,7 @@ def job_report(*, worker_id, job_id, data, actor):
     target = REPORTED_STATUS[raw]
     lease = data.get("attempt") or data.get("lease_id")
     error = str(data.get("error") or "")
-    with transaction.atomic():
+    with audited_atomic():
         # Worker before job, the order every worker-side service locks in (heartbeat, register,
         # disconnect); the other order deadlocks against a concurrent heartbeat of the same agent.
         worker = Worker.objects.select_for_update().get(pk=worker_id)

@@ -2,7 +2,7 @@
 
 A sweep selects what is stale (locking with ``skip_locked``, so two sweeps or a sweep and a request
 never wait on each other) and hands the rows to the transitions; it writes nothing itself. The audit
-rows of all its transitions are saved in one batch (``audit_batch``) before its transaction commits.
+rows of all its transitions are chained and saved in one batch (``audited_atomic``) before its transaction commits.
 Each runs a fixed number of queries whatever the fleet size. The same functions run under Celery beat
 and the embedded scheduler.
 """
@@ -14,7 +14,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from audit.services import Actor, audit_batch
+from audit.services import Actor, audited_atomic
 from workers.models import WORKER_TRANSITIONS, Worker, WorkerStatus
 from workers.selectors import servers_heard_silence, servers_silent_reason
 from workers.transitions import workers_free, workers_transition
@@ -46,7 +46,7 @@ def sweep_stale_workers(*, now=None, actor=HEALTH):
     cutoff = now - timedelta(seconds=timeout)
     reason = f"no heartbeat for {timeout:g} s"
     nothing = {"workers": 0, "requeued": 0, "failed": 0}
-    with transaction.atomic(), audit_batch():
+    with audited_atomic():
         stale = list(
             Worker.objects.select_for_update(skip_locked=True)
             .filter(status__in=WORKER_TRANSITIONS[WorkerStatus.OFFLINE], last_heartbeat__lt=cutoff)
@@ -112,7 +112,7 @@ def sweep_unacknowledged_dispatches(*, now=None, actor=ACK_SWEEP):
     cutoff = now - timedelta(seconds=timeout)
     reason = f"dispatch not acknowledged within {timeout:g} s"
     nothing = {"jobs": 0, "workers_freed": 0}
-    with transaction.atomic(), audit_batch():
+    with audited_atomic():
         jobs = list(
             Job.objects.select_for_update(skip_locked=True)
             .filter(status=JobStatus.DISPATCHED, dispatched_at__lt=cutoff)

@@ -53,15 +53,30 @@ def test_a_batch_needs_a_transaction():
         pass
 
 
-def test_rows_written_in_a_savepoint_are_saved_at_once_and_roll_back_with_it():
+def test_rows_written_in_a_savepoint_are_held_for_the_batch_and_dropped_if_it_rolls_back():
     with transaction.atomic(), audit_batch():
         audit_write(_rows("worker.status_changed", "w_kept"))
         with pytest.raises(RuntimeError), transaction.atomic():
             audit_write(_rows("worker.status_changed", "w_rolled_back"))
-            assert AuditEvent.objects.filter(target_id="w_rolled_back").exists()  # not held for the batch
             raise RuntimeError("the savepoint rolls back")
+        with transaction.atomic():
+            audit_write(_rows("worker.status_changed", "w_released"))
+        assert AuditEvent.objects.count() == 0  # held: the chain's lock is taken at the batch's end only
 
-    assert list(AuditEvent.objects.values_list("target_id", flat=True)) == ["w_kept"]
+    assert list(AuditEvent.objects.order_by("seq").values_list("target_id", "seq")) == [
+        ("w_kept", 1),
+        ("w_released", 2),
+    ]
+
+
+def test_a_transaction_marked_for_rollback_saves_nothing():
+    with transaction.atomic():
+        with audit_batch():
+            audit_write(_rows("worker.status_changed", "w_1"))
+            transaction.set_rollback(True)
+        transaction.set_rollback(False)  # only so the test can look: the batch has already decided
+
+    assert AuditEvent.objects.count() == 0
 
 
 def test_a_batch_inside_a_batch_joins_it():

@@ -92,10 +92,12 @@ def test_sweep_cost_does_not_grow_with_the_fleet(django_assert_max_num_queries):
     for _ in range(30):
         job_on_worker(stale(), status=JobStatus.RUNNING)
     # A fixed number of statements, whatever the number of stale workers and jobs: the savepoint and its
-    # release, three SELECTs, one UPDATE each of workers, attempts and jobs, one INSERT of the 90 audit rows.
-    with django_assert_max_num_queries(9) as captured:
+    # release, three SELECTs, one UPDATE each of workers, attempts and jobs, the audit chain's head locked
+    # and moved, and the 90 audit rows in one INSERT (two on SQLite: 999 parameters a statement at most).
+    with django_assert_max_num_queries(12) as captured:
         assert sweep_stale_workers()["workers"] == 30
-    assert len([q for q in captured.captured_queries if q["sql"].startswith('INSERT INTO "audit_auditevent"')]) == 1
+    inserts = [q for q in captured.captured_queries if q["sql"].startswith('INSERT INTO "audit_auditevent"')]
+    assert len(inserts) == (1 if connection.vendor == "postgresql" else 2)
 
 
 # --- ephemeral cleanup ----------------------------------------------------------------------------
