@@ -68,14 +68,18 @@ def audit_chain_verify(*, since=None, until=None):
         previous = anchor
     key, expected = chain_key(), start
     last = None
+    # Without --since every row up to the end is read, so that a row slipped in before seq 1 is found too.
     walk = (
-        rows.filter(seq__gte=start, seq__lte=end)
+        (rows.filter(seq__gte=start, seq__lte=end) if since else rows.filter(seq__lte=end))
         .order_by("seq")
         .values_list("id", *HASHED_FIELDS, "chain_hash")
         .iterator(chunk_size=CHUNK)
     )
     for row in walk:
         row_id, seq, stored = row[0], row[1], row[-1]
+        if seq < expected:  # only before seq 1: seq is unique
+            report.fault("broken", seq, row_id, row[2], "a row outside the chain (before its first)")
+            continue
         if seq != expected:
             between = f"after id {last[0]}" if last else "before the first row checked"
             report.fault("missing", expected, detail=f"seq {expected}-{seq - 1} ({seq - expected} rows) missing, {between}")

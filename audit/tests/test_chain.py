@@ -99,6 +99,14 @@ def test_a_deleted_row_is_a_missing_link_and_so_is_a_deleted_last_row():
     assert report.checked == 6  # row 6 links to the deleted row 5: it cannot be checked
 
 
+def test_a_row_slipped_in_before_the_chain_is_found():
+    _write_many(2)
+    AuditEvent(actor_type="system", action="job.submitted", seq=0, chain_hash="00" * 32).save()
+
+    report = audit_chain_verify()
+    assert [(f.kind, f.seq) for f in report.faults] == [("broken", 0)]
+
+
 def test_a_rolled_back_savepoint_leaves_no_gap():
     with audited_atomic():
         audit_record(actor=ACTOR, action="job.submitted", target_type="job", target_id="j_1")
