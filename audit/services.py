@@ -4,7 +4,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.transaction import TransactionManagementError
 
 from common.remote import client_ip
@@ -84,7 +84,7 @@ class _Batch:
 
     def events(self):
         """Return the held rows, less those written in a savepoint that has rolled back since."""
-        alive = {id(func) for _sids, func, _robust in transaction.get_connection().run_on_commit}
+        alive = {id(func) for _sids, func, _robust in connection.run_on_commit}
         return [e for marker, rows in self.held if marker is None or id(marker) in alive for e in rows]
 
 
@@ -97,7 +97,6 @@ _batch = ContextVar("audit_batch", default=None)
 
 
 def _atomic_depth():
-    connection = transaction.get_connection()
     return len(connection.atomic_blocks) if connection.in_atomic_block else 0
 
 
@@ -149,28 +148,38 @@ def _append(events):
         event.details = stored_details(event.details)
         event.client_ip = _CLIENT_IP.get_prep_value(event.client_ip) or None  # "" is stored as NULL
     with transaction.atomic(savepoint=False):
-        head = _lock_head()
-        seq, previous = head.seq, head.chain_hash
+        seq, previous = _lock_head()
         for event in events:
             seq += 1
             event.seq = seq
             previous = event.chain_hash = link_hash(key, previous, [getattr(event, f) for f in HASHED_FIELDS])
         saved = AuditEvent.objects.bulk_create(events)
-        AuditChainHead.objects.filter(pk=head.pk).update(seq=seq, chain_hash=previous)
+        with connection.cursor() as cursor:
+            cursor.execute(f"UPDATE {_HEAD_TABLE} SET seq = %s, chain_hash = %s WHERE id = %s", [seq, previous, HEAD_ID])
     announce_changes_on_commit((event.target_type, event.target_id) for event in saved)
     return saved
 
 
 _CLIENT_IP = AuditEvent._meta.get_field("client_ip")
+_HEAD_TABLE = AuditChainHead._meta.db_table
 
 
 def _lock_head():
-    """Return the chain head, locked ``FOR UPDATE`` (SQLite: its transactions already hold the write lock)."""
-    head = AuditChainHead.objects.select_for_update().filter(pk=HEAD_ID).first()
+    """Return the chain head's ``(seq, chain_hash)``, locked until commit.
+
+    ``FOR UPDATE`` on PostgreSQL; SQLite's transactions hold its one write lock from BEGIN IMMEDIATE.
+    (Plain SQL: this runs once per audited transaction.)
+    """
+    sql = f"SELECT seq, chain_hash FROM {_HEAD_TABLE} WHERE id = %s"
+    if connection.features.has_select_for_update:
+        sql += " FOR UPDATE"
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [HEAD_ID])
+        head = cursor.fetchone()
     if head is None:  # a database whose head row was never made or was emptied (a test flush): resume from the last row
         last = AuditEvent.objects.order_by("-seq").values_list("seq", "chain_hash").first() or (0, GENESIS)
         AuditChainHead.objects.get_or_create(pk=HEAD_ID, defaults={"seq": last[0], "chain_hash": last[1]})
-        head = AuditChainHead.objects.select_for_update().get(pk=HEAD_ID)
+        return _lock_head()
     return head
 
 

@@ -58,13 +58,11 @@ def populate(db, count):
     """Append ``count`` chained rows after the chain head in bulk; return the seconds it took."""
     from django.db import connection, transaction
 
-    from audit.models import AuditChainHead
-    from audit.services import _lock_head
+    from audit.services import _HEAD_TABLE, _lock_head
 
     started = time.perf_counter()
     with transaction.atomic():
-        head = _lock_head()
-        seq, previous = head.seq, head.chain_hash
+        seq, previous = _lock_head()
         rows = chained_rows(count, seq + 1, previous)
         table = connection.ops.quote_name("audit_auditevent")
         if connection.vendor == "postgresql":
@@ -88,7 +86,8 @@ def populate(db, count):
                 if batch:
                     cursor.executemany(sql, batch)
                     last = batch[-1]
-        AuditChainHead.objects.filter(pk=head.pk).update(seq=last[0], chain_hash=last[-1])
+        with connection.cursor() as cursor:
+            cursor.execute(f"UPDATE {_HEAD_TABLE} SET seq = %s, chain_hash = %s WHERE id = 1", [last[0], last[-1]])
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE")
     return time.perf_counter() - started
@@ -98,6 +97,8 @@ def write_rate(threads, seconds, chained):
     """Return audit rows committed per second by ``threads`` threads each writing one-row transactions."""
     from django.db import connection, transaction
 
+    from audit.events import announce_changes_on_commit
+    from audit.models import AuditEvent
     from audit.services import Actor, audit_events, audit_record, audited_atomic
 
     actor = Actor("user", "1", "operator", "10.1.2.3")
@@ -114,12 +115,13 @@ def write_rate(threads, seconds, chained):
                     with audited_atomic():
                         audit_record(actor=actor, action="job.cancelled", target_type="job", target_id=f"j_{n}",
                                      details={"reason": "operator"})  # fmt: skip
-                else:  # the same transaction and row without the chain: a seq of its own (negative), no lock
+                else:  # audit_write before the chain: one INSERT (a seq of its own, negative) and the announcement
                     with transaction.atomic():
                         (event,) = audit_events(actor=actor, action="job.cancelled", target_type="job",
                                                 rows=[(f"j_{n}", {"reason": "operator"})])  # fmt: skip
                         event.seq, event.chain_hash = -(index * 10**9 + n + 1), ""
-                        event.save()
+                        AuditEvent.objects.bulk_create([event])
+                        announce_changes_on_commit([(event.target_type, event.target_id)])
                 n += 1
             counts[index] = n
         finally:
