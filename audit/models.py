@@ -1,6 +1,7 @@
 """The append-only audit trail: who did what to which object, when, from where."""
 
 from django.db import models
+from django.utils import timezone
 
 
 class ActorType(models.TextChoices):
@@ -18,7 +19,10 @@ class AuditEventQuerySet(models.QuerySet):
 
 
 class AuditEvent(models.Model):
-    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    """One audited action, chained to the one before it (``seq``, ``chain_hash``: see ``audit.chain``)."""
+
+    # Set when the row is built, not at INSERT: it is part of what the chain hashes.
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
     actor_type = models.CharField(max_length=8, choices=ActorType.choices)
     actor_id = models.CharField(max_length=64, blank=True, default="")
     actor_name = models.CharField(max_length=150, blank=True, default="")
@@ -28,6 +32,8 @@ class AuditEvent(models.Model):
     details = models.JSONField(default=dict, blank=True)
     client_ip = models.GenericIPAddressField(null=True, blank=True)
     success = models.BooleanField(default=True)
+    seq = models.BigIntegerField(unique=True)  # the row's place in the chain: 1, 2, 3, ... without gaps
+    chain_hash = models.CharField(max_length=64)
 
     objects = AuditEventQuerySet.as_manager()
 
@@ -41,7 +47,23 @@ class AuditEvent(models.Model):
     def save(self, *args, **kwargs):
         if self.pk is not None:
             raise TypeError("Audit events are append-only")
+        if self.seq is None:
+            raise TypeError("Audit events are written by audit.services.audit_write, which chains them")
         super().save(*args, **kwargs)
 
     def delete(self, *args, **kwargs):
         raise TypeError("Audit events are append-only")
+
+
+HEAD_ID = 1
+
+
+class AuditChainHead(models.Model):
+    """The chain's last link (one row): locked by every append, so two writers never fork the chain."""
+
+    id = models.PositiveSmallIntegerField(primary_key=True, default=HEAD_ID)
+    seq = models.BigIntegerField(default=0)
+    chain_hash = models.CharField(max_length=64)
+
+    def __str__(self):
+        return f"audit chain head: seq {self.seq}"

@@ -1,11 +1,17 @@
 """Writing audit rows. Call inside the transaction of the change being recorded."""
 
-from dataclasses import dataclass
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+from django.db import connection, transaction
+from django.db.transaction import TransactionManagementError
 
 from common.remote import client_ip
 
+from .chain import GENESIS, HASHED_FIELDS, chain_key, link_hash, stored_details
 from .events import announce_changes_on_commit
-from .models import ActorType, AuditEvent
+from .models import HEAD_ID, ActorType, AuditChainHead, AuditEvent
 
 
 @dataclass(frozen=True)
@@ -48,19 +54,140 @@ def audit_record(*, actor, action, target_type="", target_id="", details=None, s
 
 
 def audit_write(events):
-    """Save unsaved audit rows in one query and announce their targets on the change feed at commit; return them."""
+    """Chain unsaved audit rows onto the log, save them in one query and announce their targets at commit; return them.
+
+    Inside an ``audit_batch()`` (``audited_atomic()``) they are held and saved with the batch's other
+    rows when it ends, still in the transaction of the change they record; rows written in a savepoint
+    that rolls back are dropped. Outside a transaction they are saved in their own short one.
+    """
     if not events:
         return []
-    saved = AuditEvent.objects.bulk_create(events)
+    batch = _batch.get()
+    if batch is not None:
+        batch.hold(events)
+        return events
+    return _append(events)
+
+
+@dataclass
+class _Batch:
+    depth: int  # the number of atomic blocks open when it began
+    held: list = field(default_factory=list)  # (savepoint marker or None, rows)
+
+    def hold(self, events):
+        marker = None
+        if _atomic_depth() > self.depth:
+            # Written in a savepoint: Django drops this (no-op) commit callback if the savepoint rolls back.
+            marker = _SavepointMarker()
+            transaction.on_commit(marker)
+        self.held.append((marker, events))
+
+    def events(self):
+        """Return the held rows, less those written in a savepoint that has rolled back since."""
+        alive = {id(func) for _sids, func, _robust in connection.run_on_commit}
+        return [e for marker, rows in self.held if marker is None or id(marker) in alive for e in rows]
+
+
+class _SavepointMarker:
+    def __call__(self):
+        pass
+
+
+_batch = ContextVar("audit_batch", default=None)
+
+
+def _atomic_depth():
+    return len(connection.atomic_blocks) if connection.in_atomic_block else 0
+
+
+@contextmanager
+def audit_batch():
+    """Hold the audit rows written in the block (``audit_write``) and chain and save them in one INSERT at its end.
+
+    Open it inside ``transaction.atomic()`` and close it before that ends (``audited_atomic()`` does
+    both): the rows still commit or roll back with the change they record, and the chain's lock
+    (``_append``) is the last lock the transaction takes. A block left by an exception, or whose
+    transaction is marked for rollback, saves nothing. Rows written in a nested atomic block (a
+    savepoint) are held too, and dropped if that savepoint rolls back; a batch opened inside a batch
+    joins it. Raise TransactionManagementError outside a transaction.
+    """
+    depth = _atomic_depth()
+    if not depth:
+        raise TransactionManagementError("audit_batch() needs a transaction: open it inside transaction.atomic()")
+    if _batch.get() is not None:
+        yield
+        return
+    batch = _Batch(depth)
+    token = _batch.set(batch)
+    try:
+        yield
+    finally:
+        _batch.reset(token)
+    if not transaction.get_rollback():
+        _append(batch.events())
+
+
+@contextmanager
+def audited_atomic():
+    """``transaction.atomic()`` whose audit rows are chained and saved at its end (see ``audit_batch``).
+
+    Every service transaction that writes audit rows uses it, so that the chain head is the last row
+    lock a transaction takes: taking it earlier and then waiting for a row another transaction holds
+    while that one waits for the head would deadlock.
+    """
+    with transaction.atomic(), audit_batch():
+        yield
+
+
+def _append(events):
+    """Chain ``events`` after the head (locked until commit), save them, move the head; return them."""
+    if not events:
+        return []
+    key = chain_key()
+    for event in events:
+        event.details = stored_details(event.details)
+        event.client_ip = _CLIENT_IP.get_prep_value(event.client_ip) or None  # "" is stored as NULL
+    with transaction.atomic(savepoint=False):
+        seq, previous = _lock_head()
+        for event in events:
+            seq += 1
+            event.seq = seq
+            previous = event.chain_hash = link_hash(key, previous, [getattr(event, f) for f in HASHED_FIELDS])
+        saved = AuditEvent.objects.bulk_create(events)
+        with connection.cursor() as cursor:
+            cursor.execute(f"UPDATE {_HEAD_TABLE} SET seq = %s, chain_hash = %s WHERE id = %s", [seq, previous, HEAD_ID])
     announce_changes_on_commit((event.target_type, event.target_id) for event in saved)
     return saved
+
+
+_CLIENT_IP = AuditEvent._meta.get_field("client_ip")
+_HEAD_TABLE = AuditChainHead._meta.db_table
+
+
+def _lock_head():
+    """Return the chain head's ``(seq, chain_hash)``, locked until commit.
+
+    ``FOR UPDATE`` on PostgreSQL; SQLite's transactions hold its one write lock from BEGIN IMMEDIATE.
+    (Plain SQL: this runs once per audited transaction.)
+    """
+    sql = f"SELECT seq, chain_hash FROM {_HEAD_TABLE} WHERE id = %s"
+    if connection.features.has_select_for_update:
+        sql += " FOR UPDATE"
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [HEAD_ID])
+        head = cursor.fetchone()
+    if head is None:  # a database whose head row was never made or was emptied (a test flush): resume from the last row
+        last = AuditEvent.objects.order_by("-seq").values_list("seq", "chain_hash").first() or (0, GENESIS)
+        AuditChainHead.objects.get_or_create(pk=HEAD_ID, defaults={"seq": last[0], "chain_hash": last[1]})
+        return _lock_head()
+    return head
 
 
 def audit_events(*, actor, action, target_type, rows, success=True):
     """Return unsaved audit rows by ``actor``, one per ``(target_id, details)`` in ``rows``.
 
-    For set-based writers (sweeps): gather every row, then ``audit_write(...)`` them in the transaction
-    of the change they record.
+    For set-based writers: gather every row, then ``audit_write(...)`` them in the transaction of the
+    change they record.
     """
     return [
         AuditEvent(

@@ -31,6 +31,7 @@ def add_audit_trail(rows, *, worker_ids, job_ids, now):
 
     from audit import actions
     from audit.models import AuditEvent
+    from audit.services import audit_write
 
     rng = random.Random(7)
     kinds = [
@@ -39,25 +40,19 @@ def add_audit_trail(rows, *, worker_ids, job_ids, now):
         ("job", actions.JOB_DISPATCHED, job_ids),
         ("worker", actions.WORKER_REGISTERED, worker_ids),
     ]
-    # Spread over 90 days, as a real trail is: created_at is auto_now_add, which bulk_create would
-    # overwrite with "now", so this script (only) turns that off while it inserts.
-    created_at = AuditEvent._meta.get_field("created_at")
-    created_at.auto_now_add = False
-    try:
-        for start in range(0, rows, AUDIT_BATCH):
-            batch = []
-            for _ in range(min(AUDIT_BATCH, rows - start)):
-                target_type, action, ids = rng.choice(kinds)
-                batch.append(
-                    AuditEvent(
-                        created_at=now - timedelta(seconds=rng.randrange(90 * 86400)),
-                        actor_type="system", actor_name="bench", action=action, target_type=target_type,
-                        target_id=rng.choice(ids), details={"from": "idle", "to": "busy"},
-                    )
-                )  # fmt: skip
-            AuditEvent.objects.bulk_create(batch)
-    finally:
-        created_at.auto_now_add = True
+    # Spread over 90 days, as a real trail is, and chained as the services write it.
+    for start in range(0, rows, AUDIT_BATCH):
+        batch = []
+        for _ in range(min(AUDIT_BATCH, rows - start)):
+            target_type, action, ids = rng.choice(kinds)
+            batch.append(
+                AuditEvent(
+                    created_at=now - timedelta(seconds=rng.randrange(90 * 86400)),
+                    actor_type="system", actor_name="bench", action=action, target_type=target_type,
+                    target_id=rng.choice(ids), details={"from": "idle", "to": "busy"},
+                )
+            )  # fmt: skip
+        audit_write(batch)
 
 
 def measure(client, path, *, runs):

@@ -5,11 +5,10 @@ then its job (the order every worker-side service locks in), and changes them on
 ``workers.transitions`` and ``job_queue.transitions``.
 """
 
-from django.db import transaction
 from django.utils import timezone
 
 from audit import actions
-from audit.services import audit_record
+from audit.services import audit_record, audited_atomic
 from common.errors import StaleReport
 from worker_agent import protocol
 from workers.models import Worker, WorkerStatus
@@ -40,7 +39,7 @@ def worker_register(*, worker_id, data, actor):
     caps = parse_capabilities(data)
     reported_job_id = data.get("current_job_id") or None
     now = timezone.now()
-    with transaction.atomic():
+    with audited_atomic():
         worker = lock_worker(worker_id)
         assigned = lock_job(worker.current_job_id) if worker.current_job_id else None
         response = {"worker_id": worker.pk}
@@ -97,7 +96,7 @@ def worker_heartbeat(*, worker_id, data, actor):
     """
     reported_job_id = data.get("current_job_id") or None
     now = timezone.now()
-    with transaction.atomic():
+    with audited_atomic():
         worker = lock_worker(worker_id)
         refused = bool(reported_job_id) and str(reported_job_id) != worker.current_job_id
         if refused:
@@ -166,7 +165,7 @@ def worker_disconnect(*, worker_id, actor, reason="agent disconnected"):
 
     A worker that never registered stays ``connecting``: there is no session to end.
     """
-    with transaction.atomic():
+    with audited_atomic():
         worker = lock_worker(worker_id)
         if worker.current_job_id:
             job = lock_job(worker.current_job_id)
@@ -191,7 +190,7 @@ def worker_stream_opened(*, worker_id, stream_id, replaying):
 
     ``replaying`` is True when the agent resumes with Last-Event-ID (the library replays what it missed).
     """
-    with transaction.atomic():
+    with audited_atomic():
         worker = lock_worker(worker_id)
         Worker.objects.filter(pk=worker.pk).update(stream_id=stream_id, stream_opened_at=timezone.now())
         if worker.current_job_id and not replaying:

@@ -5,7 +5,7 @@ from django.db.models import Case, F, IntegerField, Value, When
 from django.utils import timezone
 
 from audit import actions
-from audit.services import Actor, audit_record
+from audit.services import Actor, audit_record, audited_atomic
 from common import outbox
 from worker_agent import protocol
 from workers import events as worker_events
@@ -97,7 +97,7 @@ def dispatch_for_job(job_id, *, actor=SYSTEM):
     Workers that fit are tried least-recently-used first (remote before local for ``auto``); a worker
     taken concurrently is skipped. Never dispatches a job twice nor gives a worker two jobs.
     """
-    with transaction.atomic():
+    with audited_atomic():
         job = Job.objects.select_for_update(skip_locked=True).filter(pk=job_id, status=JobStatus.QUEUED).first()
         if job is None:
             return None
@@ -123,7 +123,7 @@ def dispatch_for_job(job_id, *, actor=SYSTEM):
 
 def dispatch_for_worker(worker_id, *, actor=SYSTEM):
     """Give available worker ``worker_id`` the highest-priority, oldest queued job it fits; return it or None."""
-    with transaction.atomic():
+    with audited_atomic():
         worker = _lock_available_worker(worker_id)
         if worker is None or worker.drain_requested_at is not None:
             return None

@@ -2,11 +2,10 @@
 
 import math
 
-from django.db import transaction
 from django.utils import timezone
 
 from audit import actions
-from audit.services import audit_record
+from audit.services import audit_record, audited_atomic
 from common.errors import InvalidInput, InvalidTransition, NotFound, StaleReport
 from worker_agent import protocol
 from workers import events as worker_events
@@ -100,7 +99,7 @@ def _job_report(*, worker_id, job_id, data, actor, holder_id):
     target = REPORTED_STATUS[raw]
     lease = data.get("attempt") or data.get("lease_id")
     error = str(data.get("error") or "")
-    with transaction.atomic():
+    with audited_atomic():
         # Workers before the job, in id order: the order every worker-side service locks in (heartbeat,
         # register, disconnect); the other order deadlocks against a concurrent heartbeat of the same agent.
         workers = {w.pk: w for w in Worker.objects.select_for_update().filter(pk__in={worker_id, holder_id} - {None}).order_by("pk")}

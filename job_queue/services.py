@@ -5,7 +5,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from audit import actions
-from audit.services import audit_record
+from audit.services import audit_record, audited_atomic
 from common.errors import Conflict, InvalidInput, NotFound
 from worker_agent import protocol
 from workers import events as worker_events
@@ -52,7 +52,7 @@ def job_submit(
     retry_on_failure=False,
 ):
     """Queue a job and try to dispatch it at once; return ``(job, dispatched)``."""
-    with transaction.atomic():
+    with audited_atomic():
         job = _job_create(
             config_name=config_name,
             actor=actor,
@@ -126,7 +126,7 @@ def job_cancel(*, job_id, actor):
 
     Raise NotFound, or Conflict if the job already finished.
     """
-    with transaction.atomic():
+    with audited_atomic():
         job = lock_job(job_id)
         if job is None:
             raise NotFound(f"job {job_id} does not exist")
@@ -155,7 +155,7 @@ def job_retry(*, job_id, actor):
     which job it retries. Raise NotFound, or Conflict if the job is queued, running or completed, if its
     worker is still stopping it (a cancel not yet confirmed), or if an earlier retry of it is unfinished.
     """
-    with transaction.atomic():
+    with audited_atomic():
         original = lock_job(job_id)  # two retries of one job at once: the second sees the first's
         if original is None:
             raise NotFound(f"job {job_id} does not exist")

@@ -1,9 +1,10 @@
 """Set-based sweeps that recover jobs: stale workers and unacknowledged dispatches.
 
 A sweep selects what is stale (locking with ``skip_locked``, so two sweeps or a sweep and a request
-never wait on each other) and hands the rows to the transitions; it writes nothing itself. Each runs a
-fixed number of queries whatever the fleet size. The same functions run under Celery beat and the
-embedded scheduler.
+never wait on each other) and hands the rows to the transitions; it writes nothing itself. The audit
+rows of all its transitions are chained and saved in one batch (``audited_atomic``) before its transaction commits.
+Each runs a fixed number of queries whatever the fleet size. The same functions run under Celery beat
+and the embedded scheduler.
 """
 
 import logging
@@ -13,9 +14,9 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from audit.services import Actor
+from audit.services import Actor, audited_atomic
 from workers.models import WORKER_TRANSITIONS, Worker, WorkerStatus
-from workers.selectors import servers_silent_reason
+from workers.selectors import servers_heard_silence, servers_silent_reason
 from workers.transitions import workers_free, workers_transition
 
 from .dispatch import dispatch_pending
@@ -36,7 +37,7 @@ def sweep_stale_workers(*, now=None, actor=HEALTH):
 
     Their jobs go through ``jobs_release``: one never acknowledged goes back to the queue without
     spending a retry; a running one is requeued while retries remain, else failed. Nothing is taken
-    offline while no server has been up long enough to hear the heartbeats (``servers_silent_reason``).
+    offline while no server has been up long enough to hear the heartbeats (``servers_heard_silence``).
     Rows locked by a concurrent request or sweep are skipped and picked up by the next run. Return
     ``{"workers": n, "requeued": n, "failed": n}``.
     """
@@ -45,18 +46,18 @@ def sweep_stale_workers(*, now=None, actor=HEALTH):
     cutoff = now - timedelta(seconds=timeout)
     reason = f"no heartbeat for {timeout:g} s"
     nothing = {"workers": 0, "requeued": 0, "failed": 0}
-    silent = servers_silent_reason(now=now, timeout=timeout)
-    if silent:
-        logger.warning("health sweep: no worker taken offline: %s (their heartbeats had nowhere to go)", silent)
-        return nothing
-    with transaction.atomic():
+    with audited_atomic():
         stale = list(
             Worker.objects.select_for_update(skip_locked=True)
             .filter(status__in=WORKER_TRANSITIONS[WorkerStatus.OFFLINE], last_heartbeat__lt=cutoff)
+            .annotate(heard=servers_heard_silence(now=now, timeout=timeout))
             .order_by()  # the model's ordering (name) would make SQLite walk the name index, not worker_status_hb
             .only(*WORKER_FIELDS)
         )
         if not stale:
+            return nothing
+        if not stale[0].heard:
+            _hold_back("health sweep: no worker taken offline: %s (their heartbeats had nowhere to go)", now, timeout)
             return nothing
         worker_ids = [w.pk for w in stale]
         jobs = list(
@@ -103,7 +104,7 @@ def sweep_unacknowledged_dispatches(*, now=None, actor=ACK_SWEEP):
     ``starting`` for the old attempt is then refused (409). A job or worker row locked by a concurrent
     request or sweep is skipped and picked up by the next run. Queued jobs are dispatched once the
     transaction commits. Nothing is requeued while no server has been up for a whole acknowledgement
-    timeout (``servers_silent_reason``): after a restart the agents get that long to reconnect and
+    timeout (``servers_heard_silence``): after a restart the agents get that long to reconnect and
     acknowledge. Return ``{"jobs": n, "workers_freed": n}``.
     """
     now = now or timezone.now()
@@ -111,18 +112,18 @@ def sweep_unacknowledged_dispatches(*, now=None, actor=ACK_SWEEP):
     cutoff = now - timedelta(seconds=timeout)
     reason = f"dispatch not acknowledged within {timeout:g} s"
     nothing = {"jobs": 0, "workers_freed": 0}
-    silent = servers_silent_reason(now=now, timeout=timeout)
-    if silent:
-        logger.warning("dispatch-ack sweep: no dispatch requeued: %s (acknowledgements had nowhere to go)", silent)
-        return nothing
-    with transaction.atomic():
+    with audited_atomic():
         jobs = list(
             Job.objects.select_for_update(skip_locked=True)
             .filter(status=JobStatus.DISPATCHED, dispatched_at__lt=cutoff)
+            .annotate(heard=servers_heard_silence(now=now, timeout=timeout))
             .order_by()  # the model's ordering (-submitted_at) would make SQLite walk that index instead
             .only(*JOB_FIELDS)
         )
         if not jobs:
+            return nothing
+        if not jobs[0].heard:
+            _hold_back("dispatch-ack sweep: no dispatch requeued: %s (acknowledgements had nowhere to go)", now, timeout)
             return nothing
         workers = {
             w.pk: w
@@ -143,3 +144,8 @@ def sweep_unacknowledged_dispatches(*, now=None, actor=ACK_SWEEP):
     result = {"jobs": len(jobs), "workers_freed": len(holders)}
     logger.info("dispatch-ack sweep: %(jobs)d job(s) requeued, %(workers_freed)d worker(s) freed", result)
     return result
+
+
+def _hold_back(message, now, timeout):
+    """Log ``message`` with the reason why the workers' silence proves nothing yet (the sweep leaves its rows)."""
+    logger.warning(message, servers_silent_reason(now=now, timeout=timeout) or "no server was up long enough")

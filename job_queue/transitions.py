@@ -6,6 +6,7 @@ reports, re-registration and disconnect, the stale-worker sweep and the unacknow
 """
 
 from collections import defaultdict
+from typing import NamedTuple
 
 from django.db.models import F
 from django.utils import timezone
@@ -14,6 +15,7 @@ from audit import actions
 from audit.services import audit_events, audit_write
 from common import outbox
 from common.errors import InvalidTransition
+from common.updates import update_rows
 from worker_agent import protocol
 
 from . import events
@@ -27,38 +29,57 @@ BACK_TO_QUEUE = {"worker": None, "lease_id": None, "dispatched_at": None, "start
 def jobs_transition(*, jobs, to, actor, reason="", **fields):
     """Move each locked job in ``jobs`` to ``to``, writing ``fields``, with one audit row each.
 
-    ``reason`` is a string or a function of the job. Raise InvalidTransition if the table in
-    ``job_queue.models`` forbids it, or if a job's status changed since the caller read it. Return
-    ``jobs``, updated in place.
+    ``reason`` is a string or a function of the job. One UPDATE and one audit write, whatever the
+    number of jobs. Raise InvalidTransition if the table in ``job_queue.models`` forbids it, or if a
+    job's status changed since the caller read it. Return ``jobs``, updated in place.
     """
-    groups = defaultdict(list)
-    for job in jobs:
-        if job.status not in JOB_TRANSITIONS[to]:
-            raise InvalidTransition(f"job {job.pk} cannot go from {job.status} to {to}")
-        groups[job.status].append(job)
-    audit = []
-    for before, group in groups.items():
-        updated = Job.objects.filter(pk__in=[j.pk for j in group], status=before).update(status=to, **fields)
-        if updated != len(group):
-            what = f"job {group[0].pk}" if len(group) == 1 else f"{len(group) - updated} job(s)"
-            raise InvalidTransition(f"{what} changed status concurrently; from {before} to {to} refused")
+    audit_write(_jobs_move([_Move(jobs, to, reason, fields)], actor=actor))
+    return jobs
+
+
+class _Move(NamedTuple):
+    """Jobs going to one status with the same fields."""
+
+    jobs: list
+    to: str
+    reason: object  # a string or a function of the job
+    fields: dict
+
+
+def _jobs_move(moves, *, actor):
+    """Make every move in one UPDATE, each row guarded by the status it was read in; return their audit rows, unsaved.
+
+    Raise InvalidTransition (before writing anything) if the table forbids a move, or if a job's status
+    changed since it was read (the caller's transaction then rolls back).
+    """
+    changes, read, audit = {}, {}, []
+    for move in moves:
+        for job in move.jobs:
+            if job.status not in JOB_TRANSITIONS[move.to]:
+                raise InvalidTransition(f"job {job.pk} cannot go from {job.status} to {move.to}")
+            changes[job.pk] = dict(move.fields, status=move.to)
+            read[job.pk] = {"status": job.status}
+    updated = update_rows(Job.objects, changes, expect=read)
+    if updated != len(changes):
+        what = f"job {next(iter(changes))}" if len(changes) == 1 else f"{len(changes) - updated} job(s)"
+        raise InvalidTransition(f"{what} changed status concurrently; the move is refused")
+    for move in moves:
         rows = []
-        for job in group:
+        for job in move.jobs:
             details = {
-                "from": before,
-                "to": to,
-                "reason": reason(job) if callable(reason) else reason,
+                "from": job.status,
+                "to": move.to,
+                "reason": move.reason(job) if callable(move.reason) else move.reason,
                 "attempt": job.attempt_count,
             }
             if job.worker_id:
                 details["worker"] = job.worker_id
             rows.append((job.pk, details))
-            for name, value in fields.items():
+            for name, value in move.fields.items():
                 setattr(job, name, value)
-            job.status = to
+            job.status = move.to
         audit += audit_events(actor=actor, action=actions.JOB_STATUS_CHANGED, target_type="job", rows=rows)
-    audit_write(audit)
-    return jobs
+    return audit
 
 
 def attempt_open(*, job, worker, lease_id, number, now):
@@ -88,11 +109,18 @@ def jobs_acknowledge(*, jobs, actor, reason, now=None, **fields):
 
 def attempts_finish(*, lease_ids, outcome, error="", now=None):
     """End the still-pending attempts among ``lease_ids`` with ``outcome``; an ended attempt keeps its own."""
-    lease_ids = [lease for lease in lease_ids if lease]
-    if lease_ids:
-        JobAttempt.objects.filter(lease_id__in=lease_ids, outcome=AttemptOutcome.PENDING).update(
-            outcome=outcome, error=error[:ERROR_MAX_CHARS], finished_at=now or timezone.now()
-        )
+    _attempts_end({lease: (outcome, error) for lease in lease_ids}, now=now)
+
+
+def _attempts_end(ends, *, now=None):
+    """End each pending attempt of ``{lease id: (outcome, error)}`` in one UPDATE; an ended attempt keeps its own."""
+    now = now or timezone.now()
+    changes = {
+        lease: {"outcome": outcome, "error": error[:ERROR_MAX_CHARS], "finished_at": now}
+        for lease, (outcome, error) in ends.items()
+        if lease
+    }
+    update_rows(JobAttempt.objects.filter(outcome=AttemptOutcome.PENDING), changes, key="lease_id")
 
 
 # Outcomes of an attempt taken back without its worker's word; a late completion of one is still good.
@@ -201,71 +229,74 @@ def jobs_release(*, jobs, actor, reason, outcome=AttemptOutcome.LOST, acknowledg
     - acknowledged (``running``): the attempt ends with ``outcome``; the job is requeued while retries
       remain, spending one, else fails for good with ``reason`` and the retries it used.
     ``acknowledged`` says the worker's own report ended the attempt, which acknowledges it even if it
-    never said ``starting``. ``reason`` (a string or a function of the job) becomes ``last_error``. Return a
-    ``Released``; the caller offers the requeued jobs to workers once committed.
+    never said ``starting``. ``reason`` (a string or a function of the job) becomes ``last_error``. One
+    UPDATE of the attempts, one of the jobs and one audit write, whatever the jobs and their fates.
+    Return a ``Released``; the caller offers the requeued jobs to workers once committed.
     """
     now = now or timezone.now()
     released = Released()
     reasons = {job.pk: reason(job) if callable(reason) else reason for job in jobs}  # before any field changes
     why = lambda job: reasons[job.pk]  # noqa: E731
+    final = lambda job: f"{why(job)}; retries exhausted ({job.retry_count} of {job.max_retries} used)"  # noqa: E731
     unacked = [] if acknowledged else [j for j in jobs if j.status == JobStatus.DISPATCHED]
     started = [j for j in jobs if j not in unacked]
     retry = [j for j in started if j.retry_count < j.max_retries]
     exhausted = [j for j in started if j.retry_count >= j.max_retries]
-    for group_outcome, group in ((AttemptOutcome.UNACKNOWLEDGED, unacked), (outcome, started)):
-        for error, same in _grouped(group, why).items():
-            attempts_finish(lease_ids=[j.lease_id for j in same], outcome=group_outcome, error=error, now=now)
-    _requeue(unacked, actor=actor, why=why, spend_retry=False)
-    _requeue(retry, actor=actor, why=why, spend_retry=True)
+    _attempts_end(
+        {j.lease_id: (AttemptOutcome.UNACKNOWLEDGED, why(j)) for j in unacked}
+        | {j.lease_id: (outcome, why(j)) for j in started},
+        now=now,
+    )
+    previous = {j.pk: (j.worker_id, j.retry_count) for j in jobs}
+    spend = dict(BACK_TO_QUEUE, retry_count=F("retry_count") + 1)
+    audit = _jobs_move(
+        [
+            *_moves(unacked, JobStatus.QUEUED, why, BACK_TO_QUEUE),
+            *_moves(retry, JobStatus.QUEUED, why, spend),
+            *_moves(exhausted, JobStatus.FAILED, final, {"finished_at": now}),
+        ],
+        actor=actor,
+    )
+    for job in retry:  # the instances show the value the UPDATE wrote, not the expression
+        job.retry_count = previous[job.pk][1] + 1
+    for group, spent in ((unacked, False), (retry, True)):
+        if group:
+            audit += _requeued_rows(group, actor=actor, why=why, spent=spent, previous=previous)
+            outbox.emit_on_commit(events.REQUEUED, count=len(group), retry_spent=spent)
     if exhausted:
-        final = lambda j: f"{why(j)}; retries exhausted ({j.retry_count} of {j.max_retries} used)"  # noqa: E731
-        for error, same in _grouped(exhausted, final).items():
-            jobs_transition(
-                jobs=same, to=JobStatus.FAILED, actor=actor, reason=error, last_error=error[:ERROR_MAX_CHARS], finished_at=now
-            )
         outbox.emit_on_commit(events.RETRIES_EXHAUSTED, count=len(exhausted))
+    audit_write(audit)
     released.requeued = [j.pk for j in unacked + retry]
     released.failed = [j.pk for j in exhausted]
     return released
 
 
-def _grouped(jobs, text):
-    """Return ``{text(job): [jobs]}``: one UPDATE per distinct text (a sweep's jobs share theirs)."""
+def _moves(jobs, to, text, fields):
+    """Return one move of ``jobs`` to ``to`` per distinct ``text(job)``, which is its reason and ``last_error``."""
     groups = defaultdict(list)
     for job in jobs:
         groups[text(job)].append(job)
-    return groups
+    return [
+        _Move(group, to, error, dict(fields, last_error=error[:ERROR_MAX_CHARS])) for error, group in groups.items()
+    ]
 
 
-def _requeue(jobs, *, actor, why, spend_retry):
-    if not jobs:
-        return
-    previous = {j.pk: (j.worker_id, j.retry_count) for j in jobs}
-    for reason, group in _grouped(jobs, why).items():
-        fields = dict(BACK_TO_QUEUE, last_error=reason[:ERROR_MAX_CHARS])
-        if spend_retry:
-            fields["retry_count"] = F("retry_count") + 1
-        jobs_transition(jobs=group, to=JobStatus.QUEUED, actor=actor, reason=reason, **fields)
-        for job in group:  # the instances show the value the UPDATE wrote, not the expression
-            job.retry_count = previous[job.pk][1] + spend_retry
-    audit_write(
-        audit_events(
-            actor=actor,
-            action=actions.JOB_REQUEUED,
-            target_type="job",
-            rows=[
-                (
-                    j.pk,
-                    {
-                        "reason": why(j),
-                        "retry_spent": spend_retry,
-                        "retry_count": j.retry_count,
-                        "max_retries": j.max_retries,
-                        "previous_worker": previous[j.pk][0],
-                    },
-                )
-                for j in jobs
-            ],
-        )
+def _requeued_rows(jobs, *, actor, why, spent, previous):
+    return audit_events(
+        actor=actor,
+        action=actions.JOB_REQUEUED,
+        target_type="job",
+        rows=[
+            (
+                j.pk,
+                {
+                    "reason": why(j),
+                    "retry_spent": spent,
+                    "retry_count": j.retry_count,
+                    "max_retries": j.max_retries,
+                    "previous_worker": previous[j.pk][0],
+                },
+            )
+            for j in jobs
+        ],
     )
-    outbox.emit_on_commit(events.REQUEUED, count=len(jobs), retry_spent=spend_retry)

@@ -1,5 +1,7 @@
 """Settings for the SimpleTuner orchestrator, driven entirely by environment variables (see README)."""
 
+import hashlib
+import hmac
 import os
 import secrets
 import socket
@@ -98,6 +100,10 @@ def _secret_key():
 
 
 SECRET_KEY = _secret_key()
+# The key of the audit chain's HMAC (audit.chain). Rows verify only with the key they were written with.
+SIMPLETUNER_AUDIT_KEY = os.environ.get("SIMPLETUNER_AUDIT_KEY") or hmac.new(
+    SECRET_KEY.encode(), b"simpletuner.audit-chain.v1", hashlib.sha256
+).hexdigest()
 DEBUG = _env_bool("DJANGO_DEBUG", False)
 ALLOWED_HOSTS = [h.strip() for h in os.environ.get("DJANGO_ALLOWED_HOSTS", "" if PRODUCTION else "*").split(",") if h.strip()]
 if PRODUCTION and (not ALLOWED_HOSTS or "*" in ALLOWED_HOSTS):

@@ -2,7 +2,7 @@
 
 from datetime import timedelta
 
-from django.db.models import Count, Min, Q
+from django.db.models import BooleanField, Count, Exists, ExpressionWrapper, Min, Q
 
 from .models import ServerPresence
 from .services import presence_interval
@@ -17,7 +17,7 @@ def servers_silent_reason(*, now, timeout):
     up for the whole ``timeout`` (the heartbeat timeout for the health sweep, the acknowledgement
     timeout for the dispatch-ack sweep).
     """
-    live_after = now - timedelta(seconds=1.5 * presence_interval())
+    live_after = _live_after(now)
     seen = ServerPresence.objects.aggregate(
         up_since=Min("started_at", filter=Q(last_seen__gte=live_after)), servers=Count("pk")
     )
@@ -27,3 +27,21 @@ def servers_silent_reason(*, now, timeout):
     if up_since > now - timedelta(seconds=timeout):
         return f"the orchestrator servers have been up only {(now - up_since).total_seconds():.0f} s"
     return None
+
+
+def servers_heard_silence(*, now, timeout):
+    """Return a boolean expression for a sweep's own query: true exactly when ``servers_silent_reason`` is None.
+
+    That is: no server records its presence at all, or a live server has been up for the whole
+    ``timeout``. A sweep reads it with the rows it found (``annotate``) instead of asking first, and
+    asks ``servers_silent_reason`` why only when it has to hold them back.
+    """
+    up_all_along = ServerPresence.objects.filter(
+        last_seen__gte=_live_after(now), started_at__lte=now - timedelta(seconds=timeout)
+    )
+    return ExpressionWrapper(~Exists(ServerPresence.objects.all()) | Exists(up_all_along), output_field=BooleanField())
+
+
+def _live_after(now):
+    """Return when a live server last recorded its presence at the latest."""
+    return now - timedelta(seconds=1.5 * presence_interval())

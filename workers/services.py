@@ -7,11 +7,10 @@ import logging
 import math
 from datetime import timedelta
 
-from django.db import transaction
 from django.utils import timezone
 
 from audit import actions
-from audit.services import Actor, audit_record
+from audit.services import Actor, audit_record, audited_atomic
 from common.errors import Conflict, InvalidInput, NotFound
 
 from worker_agent import protocol
@@ -73,7 +72,7 @@ def token_authenticate(*, kind, plaintext):
 
 def api_token_create(*, user, actor, description=""):
     """Issue an operator API token for ``user``; return the plaintext (shown once)."""
-    with transaction.atomic():
+    with audited_atomic():
         token, plaintext = token_issue(kind=TokenKind.API, user=user, description=description)
         audit_record(
             actor=actor,
@@ -120,7 +119,7 @@ def worker_create(*, name, worker_type=WorkerType.PERSISTENT, labels=None, actor
     if worker_type not in WorkerType.values:
         raise InvalidInput(f"worker_type must be one of {', '.join(WorkerType.values)}", code="invalid_worker_type")
     labels = _clean_labels(labels)
-    with transaction.atomic():
+    with audited_atomic():
         if Worker.objects.filter(name=name).exists():
             raise Conflict(f"a worker named {name!r} already exists", code="name_taken")
         worker = Worker.objects.create(
@@ -148,7 +147,7 @@ def worker_provision_local(*, name, actor, plaintext=None):
     name = (name or "").strip()
     if not name:
         raise InvalidInput("name is required", code="invalid_name")
-    with transaction.atomic():
+    with audited_atomic():
         worker, created = Worker.objects.get_or_create(
             name=name, defaults={"worker_type": WorkerType.LOCAL, "labels": {}}
         )
@@ -185,7 +184,7 @@ def worker_provision_local(*, name, actor, plaintext=None):
 
 def worker_rotate_token(*, worker_id, actor):
     """Revoke every token of the worker, issue a new one, close streams opened with the old; return plaintext."""
-    with transaction.atomic():
+    with audited_atomic():
         worker = lock_worker(worker_id)
         old_ids = list(worker.tokens.filter(revoked_at__isnull=True).values_list("pk", flat=True))
         worker.tokens.filter(pk__in=old_ids).update(revoked_at=timezone.now())
@@ -216,7 +215,7 @@ def worker_delete(*, worker_id, actor):
 
     Raise Conflict if the worker is online.
     """
-    with transaction.atomic():
+    with audited_atomic():
         worker = lock_worker(worker_id)
         refusal = worker_delete_refusal(worker)
         if refusal:
@@ -238,7 +237,7 @@ def worker_drain(*, worker_id, actor):
 
     The drain is durable: heartbeats and re-registration keep it, and an offline worker comes back draining.
     """
-    with transaction.atomic():
+    with audited_atomic():
         worker = lock_worker(worker_id)
         if worker.drain_requested_at is None:
             now = timezone.now()
@@ -304,7 +303,7 @@ def parse_capabilities(data):
 
 def worker_register_failed(*, reason, token_prefix, ip, name=""):
     """Audit a refused registration (bad or revoked token)."""
-    with transaction.atomic():
+    with audited_atomic():
         audit_record(
             actor=Actor("worker", "", str(name or "")[:150], ip),
             action=actions.WORKER_REGISTRATION_FAILED,
@@ -328,7 +327,7 @@ def heartbeat_interval():
 
 def worker_stream_refused(*, reason, token_prefix, ip):
     """Audit a refused stream connection."""
-    with transaction.atomic():
+    with audited_atomic():
         audit_record(
             actor=Actor("worker", "", "", ip),
             action=actions.WORKER_STREAM_REFUSED,

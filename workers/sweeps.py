@@ -7,11 +7,10 @@ import logging
 from datetime import timedelta
 
 from django.conf import settings
-from django.db import transaction
 from django.utils import timezone
 
 from audit import actions
-from audit.services import Actor, audit_events, audit_write
+from audit.services import Actor, audit_events, audit_write, audited_atomic
 from worker_agent import protocol
 
 from . import events
@@ -35,7 +34,7 @@ def sweep_offline_ephemeral_workers(*, now=None, actor=CLEANUP):
     now = now or timezone.now()
     after = settings.SIMPLETUNER["EPHEMERAL_CLEANUP_AFTER"]
     cutoff = now - timedelta(seconds=after)
-    with transaction.atomic():
+    with audited_atomic():
         doomed = list(
             Worker.objects.select_for_update(skip_locked=True)
             .filter(worker_type=WorkerType.EPHEMERAL, status=WorkerStatus.OFFLINE, status_changed_at__lt=cutoff)

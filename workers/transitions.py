@@ -6,14 +6,12 @@ single worker). The transition table is ``workers.models.WORKER_TRANSITIONS``; a
 admin actions, API views, management commands and the local worker all come here.
 """
 
-from collections import defaultdict
-
-from django.db.models import Q
 from django.utils import timezone
 
 from audit import actions
 from audit.services import audit_events, audit_write
 from common.errors import InvalidTransition
+from common.updates import update_rows
 
 from .models import WORKER_ONLINE, WORKER_TRANSITIONS, Worker, WorkerStatus
 
@@ -29,46 +27,32 @@ def workers_transition(*, workers, to, actor, reason="", now=None, **fields):
     """Move each locked worker in ``workers`` to ``to`` (a status, or a function of the worker), writing ``fields``.
 
     ``reason`` is a string or a function of the worker. A worker already in its target status only
-    gets ``fields`` (no audit row). One UPDATE per target status and one audit INSERT, whatever the
-    number of workers. Raise InvalidTransition if the table forbids a change, or if a worker's status
-    changed since the caller read it. Return ``workers``, updated in place.
+    gets ``fields`` (no audit row). One UPDATE and one audit write, whatever the number of workers and
+    targets. Raise InvalidTransition if the table forbids a change, or if a worker's status changed
+    since the caller read it. Return ``workers``, updated in place.
     """
     now = now or timezone.now()
-    groups = defaultdict(list)  # (target, whether it changes) -> workers; one UPDATE each, whatever they come from
+    changes, read, audit_rows = {}, {}, []
     for worker in workers:
         target = to(worker) if callable(to) else to
         if worker.status not in WORKER_TRANSITIONS[target]:
             raise InvalidTransition(f"worker {worker.pk} cannot go from {worker.status} to {target}")
-        groups[(target, worker.status != target)].append(worker)
-    audit = []
-    for (target, changes_status), group in groups.items():
-        befores = {w.pk: w.status for w in group}
-        changes = dict(fields, status=target)
-        if changes_status:
-            changes["status_changed_at"] = now
+        changes[worker.pk] = dict(fields, status=target)
+        if worker.status != target:
+            changes[worker.pk]["status_changed_at"] = now
+            why = reason(worker) if callable(reason) else reason
+            audit_rows.append((worker.pk, {"from": worker.status, "to": target, "reason": why}))
         # Each row only from the status the caller read (the rows are locked: a mismatch is a bug, refused).
-        guard = Q()
-        for before in set(befores.values()):
-            guard |= Q(status=before, pk__in=[pk for pk, b in befores.items() if b == before])
-        updated = Worker.objects.filter(guard).update(**changes)
-        if updated != len(group):
-            raise InvalidTransition(
-                f"{len(group) - updated} worker(s) changed status concurrently; the move to {target} is refused"
-            )
-        for worker in group:
-            for name, value in changes.items():
-                setattr(worker, name, value)
-        if changes_status:
-            audit += audit_events(
-                actor=actor,
-                action=actions.WORKER_STATUS_CHANGED,
-                target_type="worker",
-                rows=[
-                    (w.pk, {"from": befores[w.pk], "to": target, "reason": reason(w) if callable(reason) else reason})
-                    for w in group
-                ],
-            )
-    audit_write(audit)
+        read[worker.pk] = {"status": worker.status}
+    updated = update_rows(Worker.objects, changes, expect=read)
+    if updated != len(changes):
+        raise InvalidTransition(f"{len(changes) - updated} worker(s) changed status concurrently; their moves are refused")
+    for worker in workers:
+        for name, value in changes[worker.pk].items():
+            setattr(worker, name, value)
+    audit_write(
+        audit_events(actor=actor, action=actions.WORKER_STATUS_CHANGED, target_type="worker", rows=audit_rows)
+    )
     return workers
 
 

@@ -22,17 +22,8 @@ class AuditEventFactory(DjangoModelFactory):
 
     @classmethod
     def _create(cls, model_class, *args, **kwargs):
-        created_at = kwargs.pop("created_at", None)
-        event = super()._create(model_class, *args, **kwargs)
-        if created_at is not None:
-            # Audit rows are append-only through the ORM; a test back-dates one with raw SQL.
-            from django.db import connection
+        """Write the row as the services do (chained), back-dated when ``created_at`` is given."""
+        from audit.services import audit_write
 
-            table = connection.ops.quote_name(model_class._meta.db_table)
-            with connection.cursor() as cursor:
-                cursor.execute(
-                    f"UPDATE {table} SET created_at = %s WHERE id = %s",
-                    [connection.ops.adapt_datetimefield_value(created_at), event.pk],
-                )
-            event.created_at = created_at
+        (event,) = audit_write([model_class(*args, **kwargs)])
         return event

@@ -3,6 +3,8 @@
 import itertools
 
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 
 from audit import actions
 from audit.services import Actor
@@ -71,3 +73,20 @@ def test_transition_from_a_stale_copy_is_refused():
 
 def test_no_transition_leads_back_to_connecting():
     assert WORKER_TRANSITIONS[WorkerStatus.CONNECTING] == frozenset()
+
+
+def test_workers_bound_for_different_statuses_move_in_one_update():
+    idle, busy, draining = WorkerFactory(), WorkerFactory(status=WorkerStatus.BUSY), WorkerFactory(status=WorkerStatus.BUSY)
+    Worker.objects.filter(pk=draining.pk).update(drain_requested_at=draining.created_at)
+    workers = list(Worker.objects.filter(pk__in=[idle.pk, busy.pk, draining.pk]))
+    targets = {idle.pk: WorkerStatus.BUSY, busy.pk: WorkerStatus.IDLE, draining.pk: WorkerStatus.DRAINING}
+
+    with CaptureQueriesContext(connection) as captured:
+        workers_transition(workers=workers, to=lambda w: targets[w.pk], actor=ACTOR, reason="because", gpu_name="changed")
+
+    assert len([q for q in captured.captured_queries if q["sql"].startswith('UPDATE "workers_worker"')]) == 1
+    assert {w.pk: (w.status, w.gpu_name) for w in Worker.objects.all()} == {
+        pk: (status, "changed") for pk, status in targets.items()
+    }
+    moved = {row.target_id: (row.details["from"], row.details["to"]) for row in audit_rows(actions.WORKER_STATUS_CHANGED)}
+    assert moved == {idle.pk: ("idle", "busy"), busy.pk: ("busy", "idle"), draining.pk: ("busy", "draining")}

@@ -2,8 +2,8 @@
 
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
-from django.db import transaction
 
+from audit.services import audited_atomic
 from workers.services import api_token_create
 
 from ._workers import command_actor
@@ -19,7 +19,7 @@ class Command(BaseCommand):
 
     def handle(self, username, superuser, description, **options):
         User = get_user_model()
-        with transaction.atomic():
+        with audited_atomic():
             user = User.objects.filter(username=username).first()
             if user is None:
                 if not superuser:
