@@ -12,6 +12,7 @@ WORKER_STREAM_REFUSED = "worker.stream_refused"
 LOCAL_WORKER_PROVISIONED = "worker.local_provisioned"
 
 API_TOKEN_CREATED = "api_token.created"
+API_TOKEN_REVOKED = "api_token.revoked"
 
 JOB_SUBMITTED = "job.submitted"
 JOB_DISPATCHED = "job.dispatched"

@@ -253,7 +253,9 @@ REST_FRAMEWORK = {
         "workers.authentication.BearerTokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
-    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    # Every operator endpoint declares the permission of each method it serves (common.permissions);
+    # the worker protocol's views and the schema set their own.
+    "DEFAULT_PERMISSION_CLASSES": ["common.permissions.OperatorPermission"],
     "EXCEPTION_HANDLER": "common.http.exception_handler",
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 100,

@@ -75,10 +75,3 @@ class IsWorker(permissions.BasePermission):
     def has_permission(self, request, view):
         return isinstance(request.user, WorkerPrincipal)
 
-
-class CanManageWorkers(permissions.BasePermission):
-    message = "You need the workers.manage_workers permission"
-
-    def has_permission(self, request, view):
-        user = request.user
-        return bool(user and user.is_authenticated and user.has_perm("workers.manage_workers"))

@@ -78,7 +78,12 @@ class Worker(models.Model):
 
     class Meta:
         ordering = ["name"]
-        permissions = [("manage_workers", "Can manage workers (create, drain, rotate tokens, delete)")]
+        # Each operator action on workers has its own permission (workers.permissions): creating is
+        # add_worker, deleting delete_worker, reading view_worker (Django's own); these are the rest.
+        permissions = [
+            ("drain_worker", "Can drain a worker (it finishes its job and takes no new one)"),
+            ("rotate_worker_token", "Can rotate a worker's token"),
+        ]
         indexes = [models.Index(fields=["status", "last_heartbeat"], name="worker_status_hb")]
 
     def __str__(self):
@@ -131,6 +136,7 @@ class Token(models.Model):
     revoked_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
+        permissions = [("manage_api_tokens", "Can manage operators' API tokens (revoke them)")]
         constraints = [
             models.CheckConstraint(
                 name="token_owner_matches_kind",

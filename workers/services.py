@@ -11,7 +11,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from audit import actions
-from audit.services import Actor, audit_record
+from audit.services import Actor, audit_events, audit_record, audit_write
 from common.errors import Conflict, InvalidInput, NotFound
 
 from worker_agent import protocol
@@ -83,6 +83,29 @@ def api_token_create(*, user, actor, description=""):
             details={"username": user.get_username(), "token_prefix": token.prefix},
         )
     return plaintext
+
+
+def api_tokens_revoke(*, token_ids, actor):
+    """Revoke the active operator API tokens among ``token_ids``; return those revoked (one audit row each)."""
+    with transaction.atomic():
+        tokens = list(
+            Token.objects.select_for_update()
+            .filter(pk__in=token_ids, kind=TokenKind.API, revoked_at__isnull=True)
+            .order_by("pk")
+        )
+        Token.objects.filter(pk__in=[t.pk for t in tokens]).update(revoked_at=timezone.now())
+        usernames = dict(
+            Token.objects.filter(pk__in=[t.pk for t in tokens]).values_list("pk", "user__username")
+        )
+        audit_write(
+            audit_events(
+                actor=actor,
+                action=actions.API_TOKEN_REVOKED,
+                target_type="user",
+                rows=[(t.user_id, {"username": usernames[t.pk], "token_prefix": t.prefix}) for t in tokens],
+            )
+        )
+    return tokens
 
 
 # --- workers ---------------------------------------------------------------------------------------

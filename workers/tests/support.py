@@ -145,10 +145,20 @@ def worker_client():
     return _make
 
 
+# Every permission an operator action on workers needs (workers.permissions).
+WORKER_MANAGER_PERMISSIONS = (
+    "workers.view_worker",
+    "workers.add_worker",
+    "workers.drain_worker",
+    "workers.rotate_worker_token",
+    "workers.delete_worker",
+)
+
+
 @pytest.fixture
 def operator():
-    """A user allowed to manage workers and read the audit log (not a superuser)."""
-    return UserFactory(permissions=["workers.manage_workers", "audit.view_auditevent"])
+    """A member of the shipped ``admin`` group (not a superuser): manages workers and jobs, reads the audit log."""
+    return UserFactory(groups=["admin"])
 
 
 @pytest.fixture
@@ -158,8 +168,14 @@ def operator_client(bearer_client, operator):
 
 @pytest.fixture
 def user_client(bearer_client):
-    """An authenticated operator without any model permission (may use the queue API only)."""
+    """An authenticated user without any permission: every operator endpoint refuses it (403)."""
     return bearer_client(UserFactory())
+
+
+@pytest.fixture
+def queue_client(bearer_client):
+    """A member of the shipped ``operator`` group: may read, submit, cancel and retry jobs."""
+    return bearer_client(UserFactory(groups=["operator"]))
 
 
 # --- the Django admin, through the test client ----------------------------------------------------
