@@ -108,11 +108,19 @@ class TokenKind(models.TextChoices):
 
 
 TOKEN_PREFIXES = {TokenKind.WORKER: "wt_", TokenKind.API: "sta_"}
+# How much of a token is ever shown or recorded (``Token.prefix``): its kind's prefix and a few characters.
+TOKEN_DISPLAY_LENGTH = 10
 
 
 def hash_token(plaintext):
     """Return the SHA-256 hex digest under which a token is stored."""
     return hashlib.sha256(plaintext.encode("utf-8")).hexdigest()
+
+
+def token_display_prefix(plaintext):
+    """Return the part of ``plaintext`` that may be shown and recorded (anything not a token character as ``?``)."""
+    head = (plaintext or "").strip()[:TOKEN_DISPLAY_LENGTH]
+    return "".join(c if c.isascii() and (c.isalnum() or c in "-_") else "?" for c in head)
 
 
 def generate_token(kind):

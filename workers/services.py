@@ -11,6 +11,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from audit import actions
+from audit.models import ActorType
 from audit.services import Actor, audit_events, audit_record, audit_write
 from common.errors import Conflict, InvalidInput, NotFound
 
@@ -26,6 +27,7 @@ from .models import (
     WorkerType,
     generate_token,
     hash_token,
+    token_display_prefix,
 )
 from .transitions import workers_transition
 
@@ -43,7 +45,7 @@ def token_issue(*, kind, worker=None, user=None, description=""):
     token = Token.objects.create(
         kind=kind,
         digest=hash_token(plaintext),
-        prefix=plaintext[:10],
+        prefix=token_display_prefix(plaintext),
         worker=worker,
         user=user,
         description=description,
@@ -349,14 +351,17 @@ def heartbeat_interval():
     return settings.SIMPLETUNER["HEARTBEAT_INTERVAL"]
 
 
-def worker_stream_refused(*, reason, token_prefix, ip):
-    """Audit a refused stream connection."""
+def auth_failure_audit(*, action, kind, address, details):
+    """Audit a refused token (``auth.failed``) or an address past the failure rate (``auth.throttled``).
+
+    Called by ``workers.throttling`` at most twice per address and window, never with a whole token.
+    """
     with transaction.atomic():
         audit_record(
-            actor=Actor("worker", "", "", ip),
-            action=actions.WORKER_STREAM_REFUSED,
-            target_type="worker",
-            details={"reason": reason, "token_prefix": token_prefix},
+            actor=Actor(ActorType.WORKER if kind == TokenKind.WORKER else ActorType.USER, "", "", address),
+            action=action,
+            target_type="token",
+            details={"kind": kind, **details},
             success=False,
         )
 

@@ -79,6 +79,30 @@ def audit_rows(action=None, **filters):
     return list(rows)
 
 
+def clear_failed_auth_counters():
+    """Forget every failed authentication counted (in the cache, shared or not, and the process's fallback)."""
+    from django.core.cache import caches
+    from django.core.cache.backends.locmem import LocMemCache
+
+    from workers import throttling
+
+    throttling._fallback.clear()
+    throttling._shared_down_until = 0.0
+    cache = caches["default"]
+    if isinstance(cache, LocMemCache):
+        cache.clear()
+    else:  # Redis, shared with the test's other users: only our keys
+        client = cache._cache.get_client(None, write=True)
+        for key in client.scan_iter(match="*:failed-auth:*"):
+            client.delete(key)
+
+
+@pytest.fixture(autouse=True)
+def failed_auth_counters():
+    """Each test starts with no failed authentication counted: the counters outlive a test's rollback."""
+    clear_failed_auth_counters()
+
+
 @pytest.fixture(autouse=True, scope="session")
 def static_root():
     """WhiteNoise warns on every request when STATIC_ROOT is missing; tests never collect static files."""
