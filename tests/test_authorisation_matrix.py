@@ -19,7 +19,9 @@ from django.contrib.auth.models import Permission
 from django.test import AsyncClient, RequestFactory
 from django.urls import URLResolver, get_resolver, reverse
 from django_eventstream.models import Event
-from rest_framework.test import APIClient
+from rest_framework.response import Response
+from rest_framework.test import APIClient, APIRequestFactory, force_authenticate
+from rest_framework.views import APIView
 
 from audit.models import AuditEvent
 from job_queue.models import Job, JobAttempt, JobStatus
@@ -387,3 +389,38 @@ def test_admin_action(client, label, action):
     response = admin_request(client, label, action, target)
     assert response.status_code in (200, 302), response.status_code
     assert admin_state() != before, "the permitted operator changed nothing"
+
+
+# --- the one check itself ------------------------------------------------------------------------------
+
+
+class Undeclared(APIView):
+    """A view that forgot to say what it needs."""
+
+    def get(self, request):
+        return Response({"served": True})
+
+
+class Declared(APIView):
+    operator_permissions = {"GET": "queue.view_job"}
+
+    def get(self, request):
+        return Response({"served": True})
+
+
+@pytest.mark.django_db
+def test_a_method_without_a_declared_permission_is_refused_even_to_a_superuser():
+    factory = APIRequestFactory()
+    superuser = UserFactory(is_superuser=True)
+
+    request = factory.get("/api/new-endpoint")
+    force_authenticate(request, user=superuser)
+    refused = Undeclared.as_view()(request)
+    request = factory.post("/api/new-endpoint")
+    force_authenticate(request, user=superuser)
+    not_served = Declared.as_view()(request)
+
+    assert refused.status_code == 403
+    assert refused.data["code"] == "permission_denied"
+    assert "declares no permission" in refused.data["detail"]
+    assert not_served.status_code == 405  # a method the view does not serve is left to say so
