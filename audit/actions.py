@@ -8,10 +8,15 @@ WORKER_STATUS_CHANGED = "worker.status_changed"
 WORKER_DRAIN_REQUESTED = "worker.drain_requested"
 WORKER_DISCONNECTED = "worker.disconnected"
 WORKER_TOKEN_ROTATED = "worker.token_rotated"
-WORKER_STREAM_REFUSED = "worker.stream_refused"
 LOCAL_WORKER_PROVISIONED = "worker.local_provisioned"
 
+# Refused worker or operator tokens, bounded: per client address and window, the first refusal and
+# the one that crossed the rate (workers.throttling).
+AUTH_FAILED = "auth.failed"
+AUTH_THROTTLED = "auth.throttled"
+
 API_TOKEN_CREATED = "api_token.created"
+API_TOKEN_REVOKED = "api_token.revoked"
 
 JOB_SUBMITTED = "job.submitted"
 JOB_DISPATCHED = "job.dispatched"

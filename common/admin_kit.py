@@ -17,6 +17,7 @@ from django.utils.html import conditional_escape, format_html
 
 from .errors import ServiceError
 from .humanize import ago
+from .permissions import may
 
 LIVE_ROWS_MAX = 500
 # Above this many rows (PostgreSQL's estimate), an unfiltered list shows the estimate, not an exact count.
@@ -117,16 +118,44 @@ class LiveChangeListMixin:
         return JsonResponse({"rows": rows, "missing": sorted(set(ids) - set(rows)), "now": timezone.now().isoformat()})
 
 
+class OperatorPermissionsMixin:
+    """For a ModelAdmin: ``operator_permissions`` maps each of its actions to the one permission it needs.
+
+    ``view``, ``add`` and ``delete`` answer Django's own checks; the others (``drain``, ``cancel``...)
+    are asked as ``has_<action>_permission(request)`` by list actions (``permissions=[...]``) and
+    object buttons. All of them by ``common.permissions.may``, the check the API makes. Nothing is
+    changed through a form: every change is one of these actions.
+    """
+
+    operator_permissions = {}
+
+    def may(self, request, action):
+        """Return whether the user making ``request`` holds the permission of ``action``."""
+        permission = self.operator_permissions.get(action)
+        return permission is not None and may(request.user, permission)
+
+    def has_view_permission(self, request, obj=None):
+        return self.may(request, "view")
+
+    def has_add_permission(self, request):
+        return self.may(request, "add")
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return self.may(request, "delete")
+
+
 class ObjectButtonsMixin:
     """For a ModelAdmin: detail-page buttons, each a POST-only view at ``<object_id>/<name>/``.
 
     ``object_buttons`` names them; ``<name>_view(request, pk)`` gets the id already unquoted, and runs
-    only for a POST by a user with ``has_<button_permission>_permission``. URL names are
+    only for a POST by a user with ``has_<name>_permission(request)``. URL names are
     ``<app>_<model>_<name>``.
     """
 
     object_buttons = ()
-    button_permission = "change"
 
     def get_urls(self):
         info = self.opts.app_label, self.opts.model_name
@@ -138,7 +167,7 @@ class ObjectButtonsMixin:
 
     def _button_view(self, name):
         view = getattr(self, f"{name}_view")
-        allowed = getattr(self, f"has_{self.button_permission}_permission")
+        allowed = getattr(self, f"has_{name}_permission")
 
         def posted(request, object_id):
             if request.method != "POST" or not allowed(request):

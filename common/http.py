@@ -40,6 +40,22 @@ def error_responses(*status_codes):
     return {code: OpenApiResponse(ErrorSerializer, description=_ERROR_DESCRIPTIONS[code]) for code in status_codes}
 
 
+def add_throttled_responses(result, generator, request, public):
+    """drf-spectacular postprocessing hook: every operation that can refuse a token (401) can also answer
+    429 ``throttled`` with ``Retry-After``, once the client's address is past the failed-authentication rate."""
+    throttled = {
+        "description": "Too many failed authentications from this address (`throttled`); retry after `Retry-After`",
+        "headers": {"Retry-After": {"schema": {"type": "integer"}, "description": "Seconds to wait."}},
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+    }
+    for operations in result.get("paths", {}).values():
+        for operation in operations.values():
+            responses = operation.get("responses") if isinstance(operation, dict) else None
+            if responses and "401" in responses:
+                responses.setdefault("429", throttled)
+    return result
+
+
 def error_body(code, detail, **extra):
     return {"code": code, "detail": detail, **extra}
 

@@ -19,6 +19,7 @@ from common.admin_kit import (
     EstimatedCountPaginator,
     LiveChangeListMixin,
     ObjectButtonsMixin,
+    OperatorPermissionsMixin,
     admin_link,
     ago_html,
     form_page,
@@ -29,6 +30,7 @@ from common.admin_kit import (
 from common.errors import InvalidInput, ServiceError
 from workers.onboarding import parse_label_pairs
 
+from . import permissions
 from .api.serializers import JobSubmitSerializer
 from .models import JOB_RETRYABLE, JOB_TERMINAL, Job, JobAttempt, JobStatus, JobTarget
 from .selectors import job_waiting_reason
@@ -142,7 +144,7 @@ def _progress_bar(job):
 
 
 @admin.register(Job)
-class JobAdmin(ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
+class JobAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
     list_display = ["id", "config_name", "status_display", "progress_bar", "worker_display", "attempts", "age", "target", "priority"]
     live_fields = ("status_display", "progress_bar", "worker_display", "attempts")
     live_detail_fields = ("waiting", "log")
@@ -154,7 +156,12 @@ class JobAdmin(ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
     show_full_result_count = False  # a filtered page does not count every job a second time
     actions = ["cancel_jobs", "retry_jobs"]
     object_buttons = ("cancel", "retry")
-    button_permission = "operate"
+    operator_permissions = {
+        "view": permissions.VIEW_JOBS,
+        "add": permissions.SUBMIT_JOBS,
+        "cancel": permissions.CANCEL_JOBS,
+        "retry": permissions.RETRY_JOBS,
+    }  # and no delete: jobs are history; no change: jobs change only through submit, cancel and retry
     inlines = [JobAttemptInline]
     change_form_template = "admin/queue/job/change_form.html"
     fieldsets = [
@@ -171,16 +178,13 @@ class JobAdmin(ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
         "started_at", "finished_at", "audit_trail",
     ]  # fmt: skip
 
-    # --- permissions: any operator may submit, cancel and retry (as in the API) ---------------------
+    # --- permissions: one per action (operator_permissions), as in the API -------------------------
 
-    def has_add_permission(self, request):
-        return request.user.is_active and request.user.is_staff
+    def has_cancel_permission(self, request):
+        return self.may(request, "cancel")
 
-    def has_change_permission(self, request, obj=None):
-        return False  # jobs change only through submit, cancel and retry
-
-    def has_delete_permission(self, request, obj=None):
-        return False  # jobs are history
+    def has_retry_permission(self, request):
+        return self.may(request, "retry")
 
     def get_queryset(self, request):
         jobs = super().get_queryset(request)
@@ -188,9 +192,6 @@ class JobAdmin(ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
         if match is not None and match.url_name in ("queue_job_changelist", "queue_job_live"):
             jobs = jobs.defer("config", "dataloader", "log_tail")  # up to 16 KB of log a row, unused by lists
         return jobs
-
-    def has_operate_permission(self, request):
-        return self.has_add_permission(request)
 
     def get_actions(self, request):
         actions = super().get_actions(request)
@@ -294,13 +295,13 @@ class JobAdmin(ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
 
     # --- cancel and retry ----------------------------------------------------------------------------
 
-    @admin.action(description="Cancel selected jobs (a running one is told to stop)", permissions=["operate"])
+    @admin.action(description="Cancel selected jobs (a running one is told to stop)", permissions=["cancel"])
     def cancel_jobs(self, request, queryset):
         run_service_on_each(
             self, request, queryset, lambda j: job_cancel(job_id=j.pk, actor=Actor.for_request(request)), done="Cancelled"
         )
 
-    @admin.action(description="Retry selected failed or cancelled jobs (as new jobs)", permissions=["operate"])
+    @admin.action(description="Retry selected failed or cancelled jobs (as new jobs)", permissions=["retry"])
     def retry_jobs(self, request, queryset):
         new_jobs = []
         run_service_on_each(
@@ -334,7 +335,7 @@ class JobAdmin(ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
     def change_view(self, request, object_id, form_url="", extra_context=None):
         job = self.get_object(request, unquote(object_id))
         extra = {
-            "can_cancel": job is not None and job.status not in JOB_TERMINAL and self.has_operate_permission(request),
-            "can_retry": job is not None and job.status in JOB_RETRYABLE and self.has_operate_permission(request),
+            "can_cancel": job is not None and job.status not in JOB_TERMINAL and self.has_cancel_permission(request),
+            "can_retry": job is not None and job.status in JOB_RETRYABLE and self.has_retry_permission(request),
         }
         return super().change_view(request, object_id, form_url, {**extra, **(extra_context or {})})

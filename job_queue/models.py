@@ -120,6 +120,12 @@ class Job(models.Model):
 
     class Meta:
         ordering = ["-submitted_at"]
+        # Each operator action on jobs has its own permission (job_queue.permissions); reading is view_job.
+        permissions = [
+            ("submit_job", "Can submit a job"),
+            ("cancel_job", "Can cancel a job"),
+            ("retry_job", "Can retry a failed or cancelled job"),
+        ]
         indexes = [
             models.Index(fields=["status", "-priority", "submitted_at"], name="job_dispatch_order"),
         ]

@@ -15,7 +15,11 @@ from django_eventstream import send_event
 from django_eventstream.views import Listener, stream
 from redis.exceptions import RedisError
 
+from audit.permissions import VIEW_AUDIT
 from common.http import error_response
+from common.permissions import may
+from job_queue.permissions import VIEW_JOBS
+from workers.permissions import VIEW_WORKERS
 
 from .db import in_db_thread
 from .event_requests import event_request_for
@@ -111,7 +115,7 @@ def on_changes(*, targets):
 # --- GET /admin/live/changes ----------------------------------------------------------------------
 
 # Any of these lets a staff user see what the feed names.
-FOLLOW_PERMISSIONS = ("workers.view_worker", "queue.view_job", "audit.view_auditevent")
+FOLLOW_PERMISSIONS = (VIEW_WORKERS, VIEW_JOBS, VIEW_AUDIT)
 
 
 @in_db_thread
@@ -120,7 +124,7 @@ def _follower(request):
     user = request.user  # the session lookup happens here, off the event loop
     if not user.is_authenticated:
         return None, ("not_authenticated", "sign in to the admin to follow changes", 401)
-    if not (user.is_active and user.is_staff and any(user.has_perm(p) for p in FOLLOW_PERMISSIONS)):
+    if not (user.is_staff and any(may(user, p) for p in FOLLOW_PERMISSIONS)):
         return None, ("permission_denied", "only staff who may view workers, jobs or the audit log follow changes", 403)
     return user.pk, None
 

@@ -16,11 +16,12 @@ from django_eventstream.utils import parse_last_event_id, sse_encode_event
 from django_eventstream.views import Listener, stream
 
 from common.http import error_response
-from common.remote import client_ip
 from job_queue.agents import worker_stream_opened
 from worker_agent import protocol
 from workers import services
+from workers.authentication import THROTTLED
 from workers.models import TokenKind
+from workers.throttling import authentication_failed
 
 from .db import in_db_thread
 from .event_requests import event_request_for
@@ -47,14 +48,25 @@ def sse_shutdown(reason, code):
 
 
 @in_db_thread
-def _open(secret, claimed_worker_id, stream_id, replaying, ip):
+def _open(request, secret, stream_id, replaying):
+    """Return ``(token, current event id, None)`` for the worker's own valid token, else ``(None, None, refusal)``
+    where a refusal is ``error_response``'s ``(code, detail, status)`` and, when throttled, the seconds to wait."""
     token = services.token_authenticate(kind=TokenKind.WORKER, plaintext=secret)
     if token is None:
-        services.worker_stream_refused(reason="invalid or revoked token", token_prefix=(secret or "")[:6], ip=ip)
-        return None, None, "Invalid token: it may have been rotated; request a new one"
+        reason = (
+            "Invalid token: it may have been rotated; request a new one"
+            if secret
+            else f"{protocol.WORKER_TOKEN_HEADER} header is required"
+        )
+        wait = authentication_failed(request, kind=TokenKind.WORKER, presented=secret, reason=reason)
+        if wait is not None:
+            return None, None, ("throttled", f"{THROTTLED} Expected available in {wait} seconds.", 429, wait)
+        return None, None, ("not_authenticated", reason, 401, None)
     worker = token.worker
+    claimed_worker_id = request.GET.get("worker_id")
     if claimed_worker_id and claimed_worker_id != worker.pk:
-        return None, None, f"this token belongs to worker {worker.pk}, not {claimed_worker_id}"
+        refusal = f"this token belongs to worker {worker.pk}, not {claimed_worker_id}"
+        return None, None, ("permission_denied", refusal, 403, None)
     current = get_current_event_id([worker_channel(worker.pk)])
     worker_stream_opened(worker_id=worker.pk, stream_id=stream_id, replaying=replaying)
     return token, current, None
@@ -84,18 +96,19 @@ async def worker_stream(request):
     """GET protocol.STREAM_PATH: the calling worker's dispatch feed (401 without its valid token)."""
     if request.method != "GET":
         return error_response("method_not_allowed", "use GET", 405)
-    secret = request.headers.get(protocol.WORKER_TOKEN_HEADER)
-    if not secret:
-        return error_response("not_authenticated", f"{protocol.WORKER_TOKEN_HEADER} header is required", 401)
+    secret = request.headers.get(protocol.WORKER_TOKEN_HEADER) or ""
     try:
-        resume = requested_resume(request)
+        resume = requested_resume(request) if secret else {}  # without a token: refused (and counted) first
     except ValueError as exc:
         return error_response("invalid_last_event_id", str(exc), 400)
     stream_id = uuid.uuid4().hex
-    token, current_id, refusal = await _open(secret, request.GET.get("worker_id"), stream_id, bool(resume), client_ip(request))
+    token, current_id, refusal = await _open(request, secret, stream_id, bool(resume))
     if token is None:
-        status = 403 if refusal.startswith("this token") else 401
-        return error_response("not_authenticated" if status == 401 else "permission_denied", refusal, status)
+        code, detail, status, wait = refusal
+        response = error_response(code, detail, status)
+        if wait is not None:
+            response["Retry-After"] = str(wait)
+        return response
 
     # From here the worker is marked stream-connected: whatever happens, this stream is closed again
     # (a stream that failed to open must never count as open).

@@ -10,8 +10,11 @@ from django.db.models import Count
 from django.template.response import TemplateResponse
 from django.urls import path
 
+from common.permissions import may
 from job_queue.models import Job, JobStatus
+from job_queue.permissions import VIEW_JOBS
 from workers.models import Worker, WorkerStatus
+from workers.permissions import VIEW_WORKERS
 
 RECENT_FAILURES = 5
 
@@ -25,13 +28,13 @@ def fleet_overview(user):
     Each part only for a user who may view those objects (None otherwise).
     """
     overview = {"workers": None, "jobs": None}
-    if user.has_perm("workers.view_worker"):
+    if may(user, VIEW_WORKERS):
         by_status = dict(Worker.objects.order_by().values_list("status").annotate(n=Count("pk")))
         overview["workers"] = {
             "by_status": [(status, label, by_status.get(status, 0)) for status, label in WorkerStatus.choices],
             "total": sum(by_status.values()),
         }
-    if user.has_perm("queue.view_job"):
+    if may(user, VIEW_JOBS):
         overview["jobs"] = _job_overview()
     return overview
 

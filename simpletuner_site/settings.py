@@ -3,6 +3,7 @@
 import hashlib
 import hmac
 import os
+import re
 import secrets
 import socket
 from pathlib import Path
@@ -51,6 +52,20 @@ def _env_int(name, default, minimum=0):
         raise ImproperlyConfigured(f"{name} must be an integer, got {raw!r}") from None
     if value < minimum:
         raise ImproperlyConfigured(f"{name} must be >= {minimum}, got {raw!r}")
+    return value
+
+
+_RATE = re.compile(r"^([1-9][0-9]*)/(s|sec|second|m|min|minute|h|hour|d|day)$")
+
+
+def _env_rate(name, default):
+    """Return a DRF throttle rate (``30/min``: a count per second, minute, hour or day) from ``name``."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if not _RATE.match(value):
+        raise ImproperlyConfigured(f"{name} must look like 30/min (a count per s, min, hour or day), got {raw!r}")
     return value
 
 
@@ -204,8 +219,20 @@ if REDIS_URL:
         "ssl": _redis.scheme == "rediss",
     }
     CELERY_BROKER_URL = REDIS_URL
+    # The cache holds only the failed-authentication counters (workers.throttling): in Redis they are
+    # shared by every server process. A Redis outage makes each process count on its own meanwhile.
+    CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": REDIS_URL,
+            "KEY_PREFIX": "simpletuner",
+            "OPTIONS": {"socket_connect_timeout": 0.5, "socket_timeout": 0.5},
+        }
+    }
 else:
     CELERY_BROKER_URL = "memory://"
+    # Embedded mode: one process, so its own memory holds the failed-authentication counters.
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache", "LOCATION": "simpletuner"}}
 CELERY_TASK_IGNORE_RESULT = True
 
 EVENTSTREAM_STORAGE_CLASS = "django_eventstream.storage.DjangoModelStorage"
@@ -259,12 +286,17 @@ REST_FRAMEWORK = {
         "workers.authentication.BearerTokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
-    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    # Every operator endpoint declares the permission of each method it serves (common.permissions);
+    # the worker protocol's views and the schema set their own.
+    "DEFAULT_PERMISSION_CLASSES": ["common.permissions.OperatorPermission"],
     "EXCEPTION_HANDLER": "common.http.exception_handler",
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 100,
     "UNAUTHENTICATED_USER": None,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    # Failed token authentications (worker and operator tokens, the worker stream too) per client
+    # address: past the rate a refused token is answered 429 with Retry-After (workers.throttling).
+    "DEFAULT_THROTTLE_RATES": {"failed_auth": _env_rate("SIMPLETUNER_FAILED_AUTH_RATE", "30/min")},
 }
 # OpenAPI schema at /api/schema/, Swagger UI at /api/docs/; both readable by any signed-in operator
 # (session or Bearer token), like the rest of the API. The UI's JS/CSS come from the sidecar package,
@@ -294,6 +326,7 @@ SPECTACULAR_SETTINGS = {
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",
         "workers.api.schema.add_worker_stream_path",
+        "common.http.add_throttled_responses",
     ],
 }
 APPEND_SLASH = False

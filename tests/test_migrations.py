@@ -1,9 +1,18 @@
-"""Models and migrations agree: `makemigrations --check` is a test."""
+"""Models and migrations agree (`makemigrations --check` is a test), and the data migrations hand out permissions right."""
 
+import importlib
 from io import StringIO
+from types import SimpleNamespace
 
 import pytest
+from django.apps import apps
+from django.contrib.auth.models import Group, Permission
+from django.contrib.contenttypes.models import ContentType
 from django.core.management import call_command
+from django.db import connection
+
+from workers.models import Worker
+from workers.tests.factories import UserFactory
 
 
 @pytest.mark.django_db
@@ -14,3 +23,65 @@ def test_no_missing_migrations():
     except SystemExit as exit_:  # --check exits non-zero when a migration would be written
         pytest.fail(f"models and migrations disagree (exit {exit_.code}); run makemigrations:\n{out.getvalue()}")
     assert "No changes detected" in out.getvalue()
+
+
+# --- the permission data migrations -----------------------------------------------------------------
+
+GROUPS_MIGRATION = importlib.import_module("simpletuner_site.migrations.0001_operator_groups")
+SPLIT_MIGRATION = importlib.import_module("workers.migrations.0003_worker_permissions")
+EDITOR = SimpleNamespace(connection=connection)
+
+
+def _group_permissions():
+    return {
+        group.name: sorted(f"{p.content_type.app_label}.{p.codename}" for p in group.permissions.all())
+        for group in Group.objects.prefetch_related("permissions__content_type")
+    }
+
+
+@pytest.mark.django_db
+def test_the_operator_groups_are_shipped_with_their_permissions():
+    GROUPS_MIGRATION.create_operator_groups(apps, EDITOR)  # a transactional test may have emptied the tables
+
+    groups = _group_permissions()
+
+    assert set(groups) >= {"viewer", "operator", "admin"}
+    assert groups["viewer"] == sorted(GROUPS_MIGRATION.VIEWER)
+    assert groups["operator"] == sorted(GROUPS_MIGRATION.OPERATOR)
+    assert groups["admin"] == sorted(GROUPS_MIGRATION.ADMIN)
+    assert set(GROUPS_MIGRATION.VIEWER) < set(GROUPS_MIGRATION.OPERATOR) < set(GROUPS_MIGRATION.ADMIN)
+    assert all(p.startswith(("workers.view_", "queue.view_", "audit.view_")) for p in GROUPS_MIGRATION.VIEWER)
+
+
+@pytest.mark.django_db
+def test_the_operator_groups_migration_is_idempotent_and_keeps_additions():
+    GROUPS_MIGRATION.create_operator_groups(apps, EDITOR)
+    extra = Permission.objects.get(content_type__app_label="auth", codename="view_user")
+    Group.objects.get(name="viewer").permissions.add(extra)
+    before = _group_permissions()
+
+    GROUPS_MIGRATION.create_operator_groups(apps, EDITOR)
+
+    assert _group_permissions() == before
+    assert Group.objects.filter(name__in=["viewer", "operator", "admin"]).count() == 3
+
+
+@pytest.mark.django_db
+def test_holders_of_the_old_manage_workers_permission_keep_every_action_it_allowed():
+    old = Permission.objects.create(
+        codename="manage_workers", name="Can manage workers", content_type=ContentType.objects.get_for_model(Worker)
+    )
+    user, other = UserFactory(), UserFactory()
+    user.user_permissions.add(old)
+    group = Group.objects.create(name="fleet managers")
+    group.permissions.add(old)
+
+    SPLIT_MIGRATION.split_manage_workers(apps, EDITOR)
+
+    assert not Permission.objects.filter(codename="manage_workers").exists()
+    fresh = type(user).objects.get(pk=user.pk)  # no cached permissions
+    assert {p for p in SPLIT_MIGRATION.MANAGE_WORKERS_BECAME if fresh.has_perm(p)} == set(SPLIT_MIGRATION.MANAGE_WORKERS_BECAME)
+    assert sorted(f"{p.content_type.app_label}.{p.codename}" for p in group.permissions.all()) == sorted(
+        SPLIT_MIGRATION.MANAGE_WORKERS_BECAME
+    )
+    assert not type(other).objects.get(pk=other.pk).get_all_permissions()

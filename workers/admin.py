@@ -21,6 +21,7 @@ from audit.services import Actor
 from common.admin_kit import (
     LiveChangeListMixin,
     ObjectButtonsMixin,
+    OperatorPermissionsMixin,
     admin_link,
     ago_html,
     form_page,
@@ -30,11 +31,18 @@ from common.admin_kit import (
 )
 from common.errors import InvalidInput, ServiceError
 
-from .models import Token, Worker, WorkerStatus, WorkerType
+from . import permissions
+from .models import Token, TokenKind, Worker, WorkerStatus, WorkerType
 from .onboarding import CREATABLE_TYPES, agent_command_line, parse_label_pairs
-from .services import worker_create, worker_delete, worker_delete_refusal, worker_drain, worker_rotate_token
+from .services import (
+    api_tokens_revoke,
+    worker_create,
+    worker_delete,
+    worker_delete_refusal,
+    worker_drain,
+    worker_rotate_token,
+)
 
-MANAGE_PERMISSION = "workers.manage_workers"
 LABEL_CHOICES_MAX = 200
 LABEL_VALUES_PER_KEY = 20  # so one high-cardinality key (host=...) cannot crowd the others out
 
@@ -83,7 +91,7 @@ class WorkerAddForm(forms.Form):
 
 
 @admin.register(Worker)
-class WorkerAdmin(ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
+class WorkerAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
     list_display = ["name", "status_display", "worker_type", "gpus", "labels_display", "current_job_display", "heartbeat"]
     live_fields = ("status_display", "gpus", "current_job_display", "heartbeat")
     live_detail_fields = ("metrics_display",)
@@ -93,7 +101,13 @@ class WorkerAdmin(ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
     list_per_page = 100
     actions = ["drain_workers", "rotate_token", "delete_workers"]
     object_buttons = ("drain", "rotate")
-    button_permission = "manage"
+    operator_permissions = {
+        "view": permissions.VIEW_WORKERS,
+        "add": permissions.CREATE_WORKERS,
+        "drain": permissions.DRAIN_WORKERS,
+        "rotate": permissions.ROTATE_WORKER_TOKENS,
+        "delete": permissions.DELETE_WORKERS,
+    }
     change_form_template = "admin/workers/worker/change_form.html"
     fieldsets = [
         (None, {"fields": ["id", "name", "status_display", "worker_type", "labels_display", "current_job_display"]}),
@@ -108,19 +122,13 @@ class WorkerAdmin(ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
         "created_at", "created_by", "recent_jobs", "audit_trail",
     ]  # fmt: skip
 
-    # --- permissions: viewing is Django's; every change needs workers.manage_workers -------------
+    # --- permissions: one per action (operator_permissions); fields change only through the actions ---
 
-    def has_manage_permission(self, request):
-        return request.user.has_perm(MANAGE_PERMISSION)
+    def has_drain_permission(self, request):
+        return self.may(request, "drain")
 
-    def has_add_permission(self, request):
-        return self.has_manage_permission(request)
-
-    def has_change_permission(self, request, obj=None):
-        return False  # fields change only through the actions below
-
-    def has_delete_permission(self, request, obj=None):
-        return self.has_manage_permission(request)
+    def has_rotate_permission(self, request):
+        return self.may(request, "rotate")
 
     def get_actions(self, request):
         actions = super().get_actions(request)
@@ -232,13 +240,13 @@ class WorkerAdmin(ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
 
     # --- actions (list) and buttons (detail page) -------------------------------------------------
 
-    @admin.action(description="Drain selected workers (finish the current job, take no new one)", permissions=["manage"])
+    @admin.action(description="Drain selected workers (finish the current job, take no new one)", permissions=["drain"])
     def drain_workers(self, request, queryset):
         run_service_on_each(
             self, request, queryset, lambda w: worker_drain(worker_id=w.pk, actor=Actor.for_request(request)), done="Draining"
         )
 
-    @admin.action(description="Rotate the token of the selected worker (shown once)", permissions=["manage"])
+    @admin.action(description="Rotate the token of the selected worker (shown once)", permissions=["rotate"])
     def rotate_token(self, request, queryset):
         workers = list(queryset[:2])
         if len(workers) != 1:
@@ -246,7 +254,7 @@ class WorkerAdmin(ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
             return None
         return self._rotate(request, workers[0])
 
-    @admin.action(description="Delete selected workers (offline ones only)", permissions=["manage"])
+    @admin.action(description="Delete selected workers (offline ones only)", permissions=["delete"])
     def delete_workers(self, request, queryset):
         run_service_on_each(
             self, request, queryset, lambda w: worker_delete(worker_id=w.pk, actor=Actor.for_request(request)), done="Deleted"
@@ -277,8 +285,12 @@ class WorkerAdmin(ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
         worker = self._worker_or_404(request, worker_id)
         return self._rotate(request, worker) or self.change_page(worker.pk)
 
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        buttons = {f"can_{action}": self.may(request, action) for action in ("drain", "rotate", "delete")}
+        return super().change_view(request, object_id, form_url, {**buttons, **(extra_context or {})})
+
     def get_deleted_objects(self, objs, request):
-        # worker_delete removes the worker's tokens with it: workers.manage_workers is the whole permission
+        # worker_delete removes the worker's tokens with it: workers.delete_worker is the whole permission
         # (Django would otherwise ask for workers.delete_token and refuse an operator the confirmation).
         deleted, counts, _perms_needed, protected = super().get_deleted_objects(objs, request)
         return deleted, counts, set(), protected
@@ -305,17 +317,37 @@ class WorkerAdmin(ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
 
 
 @admin.register(Token)
-class TokenAdmin(admin.ModelAdmin):
+class TokenAdmin(OperatorPermissionsMixin, admin.ModelAdmin):
     list_display = ["prefix", "kind", "worker", "user", "created_at", "last_used_at", "revoked_at"]
     list_filter = ["kind"]
     readonly_fields = ["kind", "prefix", "worker", "user", "description", "created_at", "last_used_at", "revoked_at"]
     exclude = ["digest"]
+    actions = ["revoke_api_tokens"]
+    # No add (tokens are issued by create_api_token or with their worker) and no delete: rotate a
+    # worker's token instead (audited, and it closes the streams opened with it); revoke an operator's.
+    operator_permissions = {"view": permissions.VIEW_TOKENS, "revoke": permissions.MANAGE_API_TOKENS}
 
-    def has_add_permission(self, request):
-        return False
+    def has_revoke_permission(self, request):
+        return self.may(request, "revoke")
 
-    def has_change_permission(self, request, obj=None):
-        return False
+    def get_actions(self, request):
+        actions = super().get_actions(request)
+        actions.pop("delete_selected", None)
+        return actions
 
-    def has_delete_permission(self, request, obj=None):
-        return False  # rotate the worker's token instead: audited, and it closes the streams opened with it
+    @admin.action(description="Revoke selected operator API tokens", permissions=["revoke"])
+    def revoke_api_tokens(self, request, queryset):
+        if queryset.filter(kind=TokenKind.WORKER).exists():
+            self.message_user(
+                request, "Refused: worker tokens are rotated from their worker's page, not revoked here.", messages.ERROR
+            )
+            return
+        revoked = api_tokens_revoke(
+            token_ids=list(queryset.values_list("pk", flat=True)), actor=Actor.for_request(request)
+        )
+        if revoked:
+            self.message_user(
+                request, f"Revoked {len(revoked)} API token(s): {', '.join(t.prefix for t in revoked)}", messages.SUCCESS
+            )
+        else:
+            self.message_user(request, "Nothing to revoke: those tokens were revoked already.", messages.INFO)

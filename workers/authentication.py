@@ -1,4 +1,7 @@
-"""DRF authentication for the two kinds of bearer token: operators (Authorization) and workers (X-Worker-Token)."""
+"""DRF authentication for the two kinds of bearer token: operators (Authorization) and workers (X-Worker-Token).
+
+A refused token is a 401, or a 429 once its address is past the failure rate (``workers.throttling``).
+"""
 
 from rest_framework import authentication, exceptions, permissions
 
@@ -6,8 +9,19 @@ from worker_agent import protocol
 
 from .models import TokenKind
 from .services import token_authenticate
+from .throttling import authentication_failed
 
 WORKER_TOKEN_HEADER = protocol.WORKER_TOKEN_HEADER
+THROTTLED = "Too many failed authentications from this address."
+
+
+def refuse(request, *, kind, presented, reason):
+    """Raise the refusal of a token ``presented`` with ``request``: AuthenticationFailed (401), or
+    Throttled (429 with Retry-After) past the failure rate. Counted and audited (bounded) either way."""
+    wait = authentication_failed(request, kind=kind, presented=presented, reason=reason)
+    if wait is not None:
+        raise exceptions.Throttled(wait=wait, detail=THROTTLED)
+    raise exceptions.AuthenticationFailed(reason)
 
 
 class BearerTokenAuthentication(authentication.BaseAuthentication):
@@ -24,10 +38,10 @@ class BearerTokenAuthentication(authentication.BaseAuthentication):
             return None
         secret = secret.strip()
         if not secret:
-            raise exceptions.AuthenticationFailed("Bearer token missing")
+            refuse(request, kind=TokenKind.API, presented="", reason="Bearer token missing")
         token = token_authenticate(kind=TokenKind.API, plaintext=secret)
         if token is None or not token.user.is_active:
-            raise exceptions.AuthenticationFailed("Invalid or revoked API token")
+            refuse(request, kind=TokenKind.API, presented=secret, reason="Invalid or revoked API token")
         return token.user, token
 
     def authenticate_header(self, request):
@@ -54,15 +68,21 @@ class WorkerPrincipal:
 
 
 class WorkerTokenAuthentication(authentication.BaseAuthentication):
-    """``X-Worker-Token: wt_...``; a missing, unknown or revoked token is a 401."""
+    """``X-Worker-Token: wt_...``, the only credential of a worker endpoint: a missing, unknown or
+    revoked token is a failed authentication (401, or 429 past the rate)."""
 
     def authenticate(self, request):
         secret = request.headers.get(WORKER_TOKEN_HEADER)
-        if secret is None:
-            return None
+        if not secret:
+            refuse(request, kind=TokenKind.WORKER, presented="", reason=f"{WORKER_TOKEN_HEADER} header is required")
         token = token_authenticate(kind=TokenKind.WORKER, plaintext=secret)
         if token is None:
-            raise exceptions.AuthenticationFailed("Invalid token: it may have been rotated; request a new one")
+            refuse(
+                request,
+                kind=TokenKind.WORKER,
+                presented=secret,
+                reason="Invalid token: it may have been rotated; request a new one",
+            )
         return WorkerPrincipal(token), token
 
     def authenticate_header(self, request):
@@ -75,10 +95,3 @@ class IsWorker(permissions.BasePermission):
     def has_permission(self, request, view):
         return isinstance(request.user, WorkerPrincipal)
 
-
-class CanManageWorkers(permissions.BasePermission):
-    message = "You need the workers.manage_workers permission"
-
-    def has_permission(self, request, view):
-        user = request.user
-        return bool(user and user.is_authenticated and user.has_perm("workers.manage_workers"))

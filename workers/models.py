@@ -78,7 +78,12 @@ class Worker(models.Model):
 
     class Meta:
         ordering = ["name"]
-        permissions = [("manage_workers", "Can manage workers (create, drain, rotate tokens, delete)")]
+        # Each operator action on workers has its own permission (workers.permissions): creating is
+        # add_worker, deleting delete_worker, reading view_worker (Django's own); these are the rest.
+        permissions = [
+            ("drain_worker", "Can drain a worker (it finishes its job and takes no new one)"),
+            ("rotate_worker_token", "Can rotate a worker's token"),
+        ]
         indexes = [models.Index(fields=["status", "last_heartbeat"], name="worker_status_hb")]
 
     def __str__(self):
@@ -103,11 +108,19 @@ class TokenKind(models.TextChoices):
 
 
 TOKEN_PREFIXES = {TokenKind.WORKER: "wt_", TokenKind.API: "sta_"}
+# How much of a token is ever shown or recorded (``Token.prefix``): its kind's prefix and a few characters.
+TOKEN_DISPLAY_LENGTH = 10
 
 
 def hash_token(plaintext):
     """Return the SHA-256 hex digest under which a token is stored."""
     return hashlib.sha256(plaintext.encode("utf-8")).hexdigest()
+
+
+def token_display_prefix(plaintext):
+    """Return the part of ``plaintext`` that may be shown and recorded (anything not a token character as ``?``)."""
+    head = (plaintext or "").strip()[:TOKEN_DISPLAY_LENGTH]
+    return "".join(c if c.isascii() and (c.isalnum() or c in "-_") else "?" for c in head)
 
 
 def generate_token(kind):
@@ -131,6 +144,7 @@ class Token(models.Model):
     revoked_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
+        permissions = [("manage_api_tokens", "Can manage operators' API tokens (revoke them)")]
         constraints = [
             models.CheckConstraint(
                 name="token_owner_matches_kind",

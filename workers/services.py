@@ -10,7 +10,8 @@ from datetime import timedelta
 from django.utils import timezone
 
 from audit import actions
-from audit.services import Actor, audit_record, audited_atomic
+from audit.models import ActorType
+from audit.services import Actor, audit_events, audit_record, audit_write, audited_atomic
 from common.errors import Conflict, InvalidInput, NotFound
 
 from worker_agent import protocol
@@ -25,6 +26,7 @@ from .models import (
     WorkerType,
     generate_token,
     hash_token,
+    token_display_prefix,
 )
 from .transitions import workers_transition
 
@@ -42,7 +44,7 @@ def token_issue(*, kind, worker=None, user=None, description=""):
     token = Token.objects.create(
         kind=kind,
         digest=hash_token(plaintext),
-        prefix=plaintext[:10],
+        prefix=token_display_prefix(plaintext),
         worker=worker,
         user=user,
         description=description,
@@ -82,6 +84,29 @@ def api_token_create(*, user, actor, description=""):
             details={"username": user.get_username(), "token_prefix": token.prefix},
         )
     return plaintext
+
+
+def api_tokens_revoke(*, token_ids, actor):
+    """Revoke the active operator API tokens among ``token_ids``; return those revoked (one audit row each)."""
+    with audited_atomic():
+        tokens = list(
+            Token.objects.select_for_update()
+            .filter(pk__in=token_ids, kind=TokenKind.API, revoked_at__isnull=True)
+            .order_by("pk")
+        )
+        Token.objects.filter(pk__in=[t.pk for t in tokens]).update(revoked_at=timezone.now())
+        usernames = dict(
+            Token.objects.filter(pk__in=[t.pk for t in tokens]).values_list("pk", "user__username")
+        )
+        audit_write(
+            audit_events(
+                actor=actor,
+                action=actions.API_TOKEN_REVOKED,
+                target_type="user",
+                rows=[(t.user_id, {"username": usernames[t.pk], "token_prefix": t.prefix}) for t in tokens],
+            )
+        )
+    return tokens
 
 
 # --- workers ---------------------------------------------------------------------------------------
@@ -325,14 +350,17 @@ def heartbeat_interval():
     return settings.SIMPLETUNER["HEARTBEAT_INTERVAL"]
 
 
-def worker_stream_refused(*, reason, token_prefix, ip):
-    """Audit a refused stream connection."""
+def auth_failure_audit(*, action, kind, address, details):
+    """Audit a refused token (``auth.failed``) or an address past the failure rate (``auth.throttled``).
+
+    Called by ``workers.throttling`` at most twice per address and window, never with a whole token.
+    """
     with audited_atomic():
         audit_record(
-            actor=Actor("worker", "", "", ip),
-            action=actions.WORKER_STREAM_REFUSED,
-            target_type="worker",
-            details={"reason": reason, "token_prefix": token_prefix},
+            actor=Actor(ActorType.WORKER if kind == TokenKind.WORKER else ActorType.USER, "", "", address),
+            action=action,
+            target_type="token",
+            details={"kind": kind, **details},
             success=False,
         )
 

@@ -1,22 +1,15 @@
-"""Read-only audit log API for users with the audit view permission."""
+"""Read-only audit log API for users with the audit view permission (audit.view_auditevent)."""
 
 from django.utils.dateparse import parse_datetime
 from drf_spectacular.utils import OpenApiParameter, extend_schema
-from rest_framework import permissions, serializers
+from rest_framework import serializers
 from rest_framework.generics import ListAPIView
 
 from common.http import error_responses
 from common.errors import InvalidInput
 
 from ..models import AuditEvent
-
-
-class CanViewAudit(permissions.BasePermission):
-    message = "You need the audit.view_auditevent permission"
-
-    def has_permission(self, request, view):
-        user = request.user
-        return bool(user and user.is_authenticated and user.has_perm("audit.view_auditevent"))
+from ..permissions import VIEW_AUDIT
 
 
 class AuditEventSerializer(serializers.ModelSerializer):
@@ -45,7 +38,7 @@ class AuditEventListView(ListAPIView):
     target_type, target_id, success (true/false), since/until (ISO 8601)."""
 
     serializer_class = AuditEventSerializer
-    permission_classes = [CanViewAudit]
+    operator_permissions = {"GET": VIEW_AUDIT}
 
     def get_queryset(self):
         params = self.request.query_params

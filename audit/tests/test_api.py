@@ -6,6 +6,7 @@ import pytest
 
 from audit.tests.factories import AuditEventFactory
 from workers.tests.factories import UserFactory
+from workers.tests.support import WORKER_MANAGER_PERMISSIONS
 
 pytestmark = pytest.mark.django_db
 
@@ -31,7 +32,7 @@ def test_no_credentials_is_401(api_client):
 
 
 def test_without_the_view_permission_is_403(bearer_client):
-    manager = UserFactory(permissions=["workers.manage_workers"])
+    manager = UserFactory(permissions=list(WORKER_MANAGER_PERMISSIONS))
 
     response = bearer_client(manager).get(AUDIT)
 

@@ -58,22 +58,6 @@ class WorkerAPIView(APIView):
 
 
 class RegisterView(WorkerAPIView):
-    REFUSALS = (exceptions.AuthenticationFailed, exceptions.NotAuthenticated, exceptions.PermissionDenied)
-
-    def audit_refusal(self, request, exc):
-        secret = request.headers.get(protocol.WORKER_TOKEN_HEADER) or ""
-        body = request.data if isinstance(request.data, dict) else {}
-        worker_services.worker_register_failed(
-            reason=str(exc.detail), token_prefix=secret.strip()[:6], ip=client_ip(request), name=body.get("name", "")
-        )
-
-    def initial(self, request, *args, **kwargs):
-        try:
-            super().initial(request, *args, **kwargs)
-        except self.REFUSALS as exc:
-            self.audit_refusal(request, exc)
-            raise
-
     @extend_schema(
         tags=["workers"],
         summary="Register (or re-register) the calling worker and learn where to stream from",
@@ -84,7 +68,12 @@ class RegisterView(WorkerAPIView):
         try:
             data = self.validated(RegisterSerializer, request.data)
         except exceptions.PermissionDenied as exc:  # a valid token claiming another worker's id
-            self.audit_refusal(request, exc)
+            worker_services.worker_register_failed(
+                reason=str(exc.detail),
+                token_prefix=request.auth.prefix,
+                ip=client_ip(request),
+                name=request.data.get("name", ""),
+            )
             raise
         result = agents.worker_register(worker_id=self.worker.pk, data=data, actor=self.actor)
         stream_path = f"{protocol.STREAM_PATH}?worker_id={self.worker.pk}"

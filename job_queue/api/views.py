@@ -10,12 +10,14 @@ from audit.services import Actor
 from common.http import error_responses
 from common.errors import InvalidInput, NotFound
 
-from .. import services
+from .. import permissions, services
 from ..models import Job, JobStatus
 from .serializers import JobDetailSerializer, JobSerializer, JobSubmitSerializer, JobSubmittedSerializer
 
 
 class JobSubmitView(APIView):
+    operator_permissions = {"POST": permissions.SUBMIT_JOBS}
+
     @extend_schema(
         tags=["queue"],
         summary="Submit a training job",
@@ -48,6 +50,8 @@ def _submitted(job, dispatched):
     responses={200: JobSerializer(many=True), **error_responses(400, 401, 403)},
 )
 class JobListView(ListAPIView):
+    operator_permissions = {"GET": permissions.VIEW_JOBS}
+
     serializer_class = JobSerializer
 
     def get_queryset(self):
@@ -66,6 +70,8 @@ class JobListView(ListAPIView):
 
 
 class JobDetailView(APIView):
+    operator_permissions = {"GET": permissions.VIEW_JOBS}
+
     @extend_schema(
         tags=["queue"],
         summary="Show one job with its attempts",
@@ -79,6 +85,8 @@ class JobDetailView(APIView):
 
 
 class JobCancelView(APIView):
+    operator_permissions = {"POST": permissions.CANCEL_JOBS}
+
     @extend_schema(
         tags=["queue"],
         summary="Cancel a job (a running one is told to stop)",
@@ -91,6 +99,8 @@ class JobCancelView(APIView):
 
 
 class JobRetryView(APIView):
+    operator_permissions = {"POST": permissions.RETRY_JOBS}
+
     @extend_schema(
         tags=["queue"],
         summary="Retry a failed or cancelled job: a new job with the same settings (retry_of names the old one)",

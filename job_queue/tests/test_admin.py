@@ -340,14 +340,57 @@ def test_cancel_and_retry_urls_refuse_get_and_anonymous(admin_client, client):
     assert audit_rows() == []
 
 
-def test_any_staff_operator_may_cancel(staff_client, commit):
-    job = JobFactory()
+def test_staff_who_may_only_view_jobs_can_look_but_not_touch(staff_client, commit):
+    client = staff_client("queue.view_job")
+    queued, failed = JobFactory(), JobFactory(status=JobStatus.FAILED)
 
+    listing = client.get(LIST)
+    assert listing.status_code == 200 and set(listed(listing)) == {queued, failed}
+    assert action_names(listing) == set()
+    assert ADD not in listing.content.decode()
+    assert 'id="cancel-job"' not in client.get(admin_url(queued)).content.decode()
+    assert 'id="retry-job"' not in client.get(admin_url(failed)).content.decode()
     with commit():
-        staff_client("queue.view_job").post(admin_url(job, "cancel"))
+        assert client.get(ADD).status_code == 403
+        assert client.post(ADD, submission()).status_code == 403
+        assert client.post(admin_url(queued, "cancel")).status_code == 403
+        assert client.post(admin_url(failed, "retry")).status_code == 403
+        post_action(client, LIST, "cancel_jobs", [queued])
+        post_action(client, LIST, "retry_jobs", [failed])
 
-    job.refresh_from_db()
-    assert job.status == JobStatus.CANCELLED
+    assert sorted(Job.objects.values_list("pk", "status")) == sorted([(queued.pk, "queued"), (failed.pk, "failed")])
+    assert audit_rows() == []
+
+
+@pytest.mark.parametrize(
+    ("permission", "may"),
+    [("queue.cancel_job", {"cancel"}), ("queue.retry_job", {"retry"}), ("queue.submit_job", set())],
+)
+def test_each_job_action_needs_its_own_permission(staff_client, commit, permission, may):
+    client = staff_client("queue.view_job", permission)
+    queued, failed = JobFactory(), JobFactory(status=JobStatus.FAILED)
+
+    assert action_names(client.get(LIST)) == {f"{action}_jobs" for action in may}
+    with commit():
+        cancel = client.post(admin_url(queued, "cancel"))
+        retry = client.post(admin_url(failed, "retry"))
+
+    assert cancel.status_code == (302 if "cancel" in may else 403)
+    assert retry.status_code == (302 if "retry" in may else 403)
+    queued.refresh_from_db()
+    assert queued.status == (JobStatus.CANCELLED if "cancel" in may else JobStatus.QUEUED)
+    assert Job.objects.filter(retry_of=failed).exists() == ("retry" in may)
+
+
+def test_submitting_needs_the_submit_permission(staff_client, commit):
+    client = staff_client("queue.view_job", "queue.submit_job")
+
+    assert client.get(ADD).status_code == 200
+    with commit():
+        response = client.post(ADD, submission())
+
+    assert response.status_code == 302
+    assert Job.objects.count() == 1
 
 
 # --- retry ----------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from audit import actions
 from job_queue.models import AttemptOutcome, Job, JobAttempt, JobStatus
 from job_queue.tests.factories import JobFactory, job_on_worker
 from workers.models import WorkerStatus
-from workers.tests.factories import WorkerFactory, worker_token
+from workers.tests.factories import UserFactory, WorkerFactory, worker_token
 from workers.tests.support import audit_rows, sent_events
 
 pytestmark = pytest.mark.django_db
@@ -23,11 +23,11 @@ def _reload(obj):
 # --- submit -----------------------------------------------------------------------------------------
 
 
-def test_submit_dispatches_to_an_available_worker(user_client, commit):
+def test_submit_dispatches_to_an_available_worker(queue_client, commit):
     worker = WorkerFactory(gpu_count=2, labels={"gpu_type": "a100"})
 
     with commit():
-        response = user_client.post(
+        response = queue_client.post(
             SUBMIT,
             {
                 "config_name": "my-training-config",
@@ -55,9 +55,9 @@ def test_submit_dispatches_to_an_available_worker(user_client, commit):
     assert audit_rows(actions.JOB_SUBMITTED, target_id=job.pk)
 
 
-def test_submit_with_no_worker_queues_and_says_why(user_client, commit):
+def test_submit_with_no_worker_queues_and_says_why(queue_client, commit):
     with commit():
-        response = user_client.post(SUBMIT, {"config_name": "my-config"})
+        response = queue_client.post(SUBMIT, {"config_name": "my-config"})
 
     assert response.status_code == 201
     body = response.json()
@@ -76,22 +76,22 @@ def test_submit_with_no_worker_queues_and_says_why(user_client, commit):
         ({"num_processes": ""}, None, 0),
     ],
 )
-def test_gpu_count_defaults_to_the_config_num_processes(user_client, config, gpu_count, expected):
+def test_gpu_count_defaults_to_the_config_num_processes(queue_client, config, gpu_count, expected):
     body = {"config_name": "c", "config": config}
     if gpu_count is not None:
         body["gpu_count"] = gpu_count
 
-    response = user_client.post(SUBMIT, body)
+    response = queue_client.post(SUBMIT, body)
 
     assert response.status_code == 201
     assert response.json()["gpu_count"] == expected
     assert Job.objects.get().gpu_count == expected
 
 
-def test_job_needing_more_gpus_than_any_worker_waits_with_a_reason(user_client):
+def test_job_needing_more_gpus_than_any_worker_waits_with_a_reason(queue_client):
     WorkerFactory(gpu_count=2)
 
-    body = user_client.post(SUBMIT, {"config_name": "big", "config": {"num_processes": 8}}).json()
+    body = queue_client.post(SUBMIT, {"config_name": "big", "config": {"num_processes": 8}}).json()
 
     assert (body["dispatched"], body["status"]) == (False, "queued")
     assert body["waiting_reason"] == "no worker has >= 8 GPUs (the most any has is 2)"
@@ -112,10 +112,10 @@ def test_job_needing_more_gpus_than_any_worker_waits_with_a_reason(user_client):
         ({"config_name": "c", "config": {"num_processes": -2}}, "invalid_config"),
     ],
 )
-def test_bad_submission_is_400_json_and_creates_nothing(user_client, body, code):
+def test_bad_submission_is_400_json_and_creates_nothing(queue_client, body, code):
     WorkerFactory()
 
-    response = user_client.post(SUBMIT, body)
+    response = queue_client.post(SUBMIT, body)
 
     assert response.status_code == 400
     assert response.json()["code"] == code
@@ -150,16 +150,73 @@ def test_an_invalid_bearer_token_is_401(api_client):
     assert response.json()["code"] == "not_authenticated"
 
 
+# --- permissions: one per action ---------------------------------------------------------------------
+
+ACTIONS = {  # what each endpoint needs, and a request it would otherwise accept
+    "queue.submit_job": lambda client, job, failed: client.post(SUBMIT, {"config_name": "c"}),
+    "queue.cancel_job": lambda client, job, failed: client.post(f"/api/queue/{job.pk}/cancel"),
+    "queue.retry_job": lambda client, job, failed: client.post(f"/api/queue/{failed.pk}/retry"),
+    "queue.view_job": lambda client, job, failed: client.get(f"/api/queue/{job.pk}"),
+}
+
+
+def _jobs_state():
+    return sorted(Job.objects.values_list("pk", "status", "retry_of_id"))
+
+
+def _session_client(client, user):
+    """A session signed in through the browsable API's login page, as any user (staff or not) can."""
+    user.set_password("pw-for-the-test")
+    user.save()
+    response = client.post("/api-auth/login/", {"username": user.username, "password": "pw-for-the-test"})
+    assert response.status_code == 302
+    return client
+
+
+@pytest.mark.parametrize("needed", sorted(ACTIONS))
+@pytest.mark.parametrize("who", ["no-permission", "view-only", "staff", "every-other-permission", "session-no-staff"])
+def test_each_queue_action_needs_its_own_permission(bearer_client, client, needed, who):
+    others = [p for p in ["queue.view_job", *ACTIONS, "workers.view_worker", "audit.view_auditevent"] if p != needed]
+    user = {
+        "no-permission": lambda: UserFactory(),
+        "view-only": lambda: UserFactory(permissions=[] if needed == "queue.view_job" else ["queue.view_job"]),
+        "staff": lambda: UserFactory(is_staff=True),
+        "every-other-permission": lambda: UserFactory(is_staff=True, permissions=sorted(set(others))),
+        "session-no-staff": lambda: UserFactory(),
+    }[who]()
+    caller = _session_client(client, user) if who == "session-no-staff" else bearer_client(user)
+    job, failed = JobFactory(), JobFactory(status=JobStatus.FAILED)
+    before = _jobs_state()
+
+    response = ACTIONS[needed](caller, job, failed)
+
+    assert response.status_code == 403
+    assert response.json() == {"code": "permission_denied", "detail": f"You need the {needed} permission"}
+    assert _jobs_state() == before
+    assert audit_rows() == []
+    assert sent_events() == []
+
+
+@pytest.mark.parametrize("needed", sorted(ACTIONS))
+def test_the_one_permission_is_enough(bearer_client, needed):
+    caller = bearer_client(UserFactory(permissions=[needed]))
+    job, failed = JobFactory(), JobFactory(status=JobStatus.FAILED)
+
+    response = ACTIONS[needed](caller, job, failed)
+
+    assert response.status_code in (200, 201)
+
+
 # --- list and detail --------------------------------------------------------------------------------
 
 
-def test_list_filters_by_status(user_client):
+def test_list_filters_by_status(queue_client):
     queued = JobFactory()
     running = job_on_worker(WorkerFactory())
     JobFactory(status=JobStatus.COMPLETED)
 
     def ids(query):
-        response = user_client.get(LIST, query)
+        response = queue_client.get(LIST, query)
         assert response.status_code == 200
         return {job["id"] for job in response.json()["results"]}
 
@@ -168,18 +225,18 @@ def test_list_filters_by_status(user_client):
     assert len(ids({})) == 3
 
 
-def test_list_with_an_unknown_status_is_400(user_client):
-    response = user_client.get(LIST, {"status": "queued,exploded"})
+def test_list_with_an_unknown_status_is_400(queue_client):
+    response = queue_client.get(LIST, {"status": "queued,exploded"})
 
     assert response.status_code == 400
     assert response.json()["code"] == "invalid_filter"
 
 
-def test_detail_shows_attempts_and_waiting_reason(user_client):
+def test_detail_shows_attempts_and_waiting_reason(queue_client):
     worker = WorkerFactory()
     job = job_on_worker(worker)
 
-    body = user_client.get(f"/api/queue/{job.pk}").json()
+    body = queue_client.get(f"/api/queue/{job.pk}").json()
 
     assert (body["id"], body["status"], body["worker_id"], body["waiting_reason"]) == (
         job.pk,
@@ -188,17 +245,17 @@ def test_detail_shows_attempts_and_waiting_reason(user_client):
         None,
     )
     assert [(a["number"], a["lease_id"], a["worker_id"]) for a in body["attempts"]] == [(1, job.lease_id, worker.pk)]
-    assert user_client.get("/api/queue/j_0000000000000000").json()["code"] == "not_found"
+    assert queue_client.get("/api/queue/j_0000000000000000").json()["code"] == "not_found"
 
 
 # --- cancel -----------------------------------------------------------------------------------------
 
 
-def test_cancel_a_queued_job(user_client, commit):
+def test_cancel_a_queued_job(queue_client, commit):
     job = JobFactory()
 
     with commit():
-        response = user_client.post(f"/api/queue/{job.pk}/cancel")
+        response = queue_client.post(f"/api/queue/{job.pk}/cancel")
 
     assert response.status_code == 200
     assert response.json()["status"] == "cancelled"
@@ -210,12 +267,12 @@ def test_cancel_a_queued_job(user_client, commit):
 
 
 @pytest.mark.parametrize("status", [JobStatus.DISPATCHED, JobStatus.RUNNING])
-def test_cancel_an_active_job_tells_its_worker_and_keeps_the_worker_busy(user_client, commit, status):
+def test_cancel_an_active_job_tells_its_worker_and_keeps_the_worker_busy(queue_client, commit, status):
     worker = WorkerFactory()
     job = job_on_worker(worker, status=status)
 
     with commit():
-        response = user_client.post(f"/api/queue/{job.pk}/cancel")
+        response = queue_client.post(f"/api/queue/{job.pk}/cancel")
 
     assert response.status_code == 200
     assert _reload(job).status == JobStatus.CANCELLED
@@ -232,10 +289,10 @@ def test_cancel_an_active_job_tells_its_worker_and_keeps_the_worker_busy(user_cl
 
 
 @pytest.mark.parametrize("status", [JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED])
-def test_cancel_a_finished_job_is_409(user_client, status):
+def test_cancel_a_finished_job_is_409(queue_client, status):
     job = JobFactory(status=status)
 
-    response = user_client.post(f"/api/queue/{job.pk}/cancel")
+    response = queue_client.post(f"/api/queue/{job.pk}/cancel")
 
     assert response.status_code == 409
     assert response.json()["code"] == "job_finished"
@@ -243,8 +300,8 @@ def test_cancel_a_finished_job_is_409(user_client, status):
     assert audit_rows() == []
 
 
-def test_cancel_an_unknown_job_is_404(user_client):
-    response = user_client.post("/api/queue/j_0000000000000000/cancel")
+def test_cancel_an_unknown_job_is_404(queue_client):
+    response = queue_client.post("/api/queue/j_0000000000000000/cancel")
 
     assert response.status_code == 404
     assert response.json()["code"] == "not_found"
@@ -254,7 +311,7 @@ def test_cancel_an_unknown_job_is_404(user_client):
 
 
 @pytest.mark.parametrize("status", [JobStatus.FAILED, JobStatus.CANCELLED])
-def test_retry_submits_a_new_job_with_the_same_settings_and_dispatches_it(user_client, commit, status):
+def test_retry_submits_a_new_job_with_the_same_settings_and_dispatches_it(queue_client, commit, status):
     original = JobFactory(
         status=status,
         config_name="sdxl-lora",
@@ -272,7 +329,7 @@ def test_retry_submits_a_new_job_with_the_same_settings_and_dispatches_it(user_c
     worker = WorkerFactory(status=WorkerStatus.IDLE, stream_id="s1", gpu_count=4, labels={"gpu": "a100-80g"})
 
     with commit():
-        response = user_client.post(f"/api/queue/{original.pk}/retry")
+        response = queue_client.post(f"/api/queue/{original.pk}/retry")
 
     assert response.status_code == 201
     body = response.json()
@@ -295,10 +352,10 @@ def test_retry_submits_a_new_job_with_the_same_settings_and_dispatches_it(user_c
 
 
 @pytest.mark.parametrize("status", [JobStatus.QUEUED, JobStatus.DISPATCHED, JobStatus.RUNNING, JobStatus.COMPLETED])
-def test_retry_of_a_job_that_did_not_fail_is_409_and_creates_nothing(user_client, status):
+def test_retry_of_a_job_that_did_not_fail_is_409_and_creates_nothing(queue_client, status):
     job = JobFactory(status=status)
 
-    response = user_client.post(f"/api/queue/{job.pk}/retry")
+    response = queue_client.post(f"/api/queue/{job.pk}/retry")
 
     assert response.status_code == 409
     assert response.json() == {
@@ -309,32 +366,32 @@ def test_retry_of_a_job_that_did_not_fail_is_409_and_creates_nothing(user_client
     assert audit_rows() == []
 
 
-def test_retry_of_an_unknown_job_is_404(user_client):
-    response = user_client.post("/api/queue/j_0000000000000000/retry")
+def test_retry_of_an_unknown_job_is_404(queue_client):
+    response = queue_client.post("/api/queue/j_0000000000000000/retry")
 
     assert (response.status_code, response.json()["code"]) == (404, "not_found")
 
 
-def test_retry_of_a_cancelled_job_its_worker_is_still_stopping_is_409(user_client):
+def test_retry_of_a_cancelled_job_its_worker_is_still_stopping_is_409(queue_client):
     worker = WorkerFactory(name="gpu-stopping")
     job = job_on_worker(worker)
     Job.objects.filter(pk=job.pk).update(status=JobStatus.CANCELLED)  # cancel sent; the agent has not confirmed
 
-    response = user_client.post(f"/api/queue/{job.pk}/retry")
+    response = queue_client.post(f"/api/queue/{job.pk}/retry")
 
     assert (response.status_code, response.json()["code"]) == (409, "job_still_stopping")
     assert "still stopping on worker gpu-stopping" in response.json()["detail"]
     assert Job.objects.count() == 1
 
 
-def test_a_second_retry_while_the_first_is_unfinished_is_409(user_client, commit):
+def test_a_second_retry_while_the_first_is_unfinished_is_409(queue_client, commit):
     original = JobFactory(status=JobStatus.FAILED)
     with commit():
-        first = user_client.post(f"/api/queue/{original.pk}/retry").json()["job_id"]
+        first = queue_client.post(f"/api/queue/{original.pk}/retry").json()["job_id"]
 
-    response = user_client.post(f"/api/queue/{original.pk}/retry")
+    response = queue_client.post(f"/api/queue/{original.pk}/retry")
 
     assert (response.status_code, response.json()["code"]) == (409, "job_already_retried")
     assert response.json()["detail"] == f"job {original.pk} was already retried as {first}, which is queued"
     Job.objects.filter(pk=first).update(status=JobStatus.FAILED)
-    assert user_client.post(f"/api/queue/{original.pk}/retry").status_code == 201  # once that one failed too
+    assert queue_client.post(f"/api/queue/{original.pk}/retry").status_code == 201  # once that one failed too

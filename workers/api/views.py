@@ -9,8 +9,7 @@ from audit.services import Actor
 from common.http import error_responses
 from common.errors import InvalidInput, NotFound
 
-from .. import services
-from ..authentication import CanManageWorkers
+from .. import permissions, services
 from ..models import Worker, WorkerStatus
 from .serializers import (
     WorkerCreatedSerializer,
@@ -29,7 +28,7 @@ STATUS_FILTER = OpenApiParameter(
 
 
 class AdminWorkerAPIView(APIView):
-    permission_classes = [CanManageWorkers]
+    """Each view names the permission of each method (``operator_permissions``, checked by ``common.permissions``)."""
 
     @property
     def actor(self):
@@ -44,6 +43,8 @@ def get_worker_or_404(worker_id):
 
 
 class AdminWorkerListView(AdminWorkerAPIView):
+    operator_permissions = {"GET": permissions.VIEW_WORKERS, "POST": permissions.CREATE_WORKERS}
+
     @extend_schema(
         tags=["admin-workers"],
         operation_id="admin_workers_list",
@@ -76,6 +77,8 @@ class AdminWorkerListView(AdminWorkerAPIView):
 
 
 class AdminWorkerDetailView(AdminWorkerAPIView):
+    operator_permissions = {"GET": permissions.VIEW_WORKERS, "DELETE": permissions.DELETE_WORKERS}
+
     @extend_schema(
         tags=["admin-workers"],
         summary="Show one worker",
@@ -95,6 +98,8 @@ class AdminWorkerDetailView(AdminWorkerAPIView):
 
 
 class AdminWorkerDrainView(AdminWorkerAPIView):
+    operator_permissions = {"POST": permissions.DRAIN_WORKERS}
+
     @extend_schema(
         tags=["admin-workers"],
         summary="Drain a worker: it finishes its current job and takes no new one",
@@ -107,6 +112,8 @@ class AdminWorkerDrainView(AdminWorkerAPIView):
 
 
 class AdminWorkerTokenView(AdminWorkerAPIView):
+    operator_permissions = {"POST": permissions.ROTATE_WORKER_TOKENS}
+
     @extend_schema(
         tags=["admin-workers"],
         summary="Rotate a worker's token: the old one is revoked and its stream closed",

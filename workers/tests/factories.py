@@ -1,10 +1,14 @@
 """factory_boy factories for users, workers and tokens, plus helpers that issue real tokens."""
 
+import importlib
 import uuid
+from types import SimpleNamespace
 
 import factory
+from django.apps import apps
 from django.contrib.auth import get_user_model
-from django.contrib.auth.models import Permission
+from django.contrib.auth.models import Group, Permission
+from django.db import connection
 from django.utils import timezone
 from factory.django import DjangoModelFactory
 
@@ -12,8 +16,27 @@ from workers.models import TokenKind, Worker, WorkerStatus, WorkerType
 from workers.services import token_issue
 
 
+# The data migration that ships the operator groups (viewer, operator, admin).
+OPERATOR_GROUPS = importlib.import_module("simpletuner_site.migrations.0001_operator_groups")
+
+
+def shipped_group(name):
+    """Return the shipped permission group ``name`` (viewer, operator, admin), as its data migration makes it.
+
+    A transactional test empties the tables, groups included; the migration is idempotent, so it runs
+    again here whenever a group is missing.
+    """
+    group = Group.objects.filter(name=name).first()
+    if group is None:
+
+        OPERATOR_GROUPS.create_operator_groups(apps, SimpleNamespace(connection=connection))
+        group = Group.objects.get(name=name)
+    return group
+
+
 class UserFactory(DjangoModelFactory):
-    """A user; ``permissions=["workers.manage_workers", ...]`` grants model permissions."""
+    """A user; ``permissions=["queue.submit_job", ...]`` grants model permissions, ``groups=["operator"]``
+    puts it in shipped permission groups."""
 
     class Meta:
         model = get_user_model()
@@ -28,6 +51,11 @@ class UserFactory(DjangoModelFactory):
         for dotted in extracted or ():
             app_label, codename = dotted.split(".", 1)
             user.user_permissions.add(Permission.objects.get(content_type__app_label=app_label, codename=codename))
+
+    @factory.post_generation
+    def groups(user, create, extracted, **kwargs):
+        for name in extracted or ():
+            user.groups.add(shipped_group(name))
 
 
 class WorkerFactory(DjangoModelFactory):

@@ -79,6 +79,30 @@ def audit_rows(action=None, **filters):
     return list(rows)
 
 
+def clear_failed_auth_counters():
+    """Forget every failed authentication counted (in the cache, shared or not, and the process's fallback)."""
+    from django.core.cache import caches
+    from django.core.cache.backends.locmem import LocMemCache
+
+    from workers import throttling
+
+    throttling._fallback.clear()
+    throttling._shared_down_until = 0.0
+    cache = caches["default"]
+    if isinstance(cache, LocMemCache):
+        cache.clear()
+    else:  # Redis, shared with the test's other users: only our keys
+        client = cache._cache.get_client(None, write=True)
+        for key in client.scan_iter(match="*:failed-auth:*"):
+            client.delete(key)
+
+
+@pytest.fixture(autouse=True)
+def failed_auth_counters():
+    """Each test starts with no failed authentication counted: the counters outlive a test's rollback."""
+    clear_failed_auth_counters()
+
+
 @pytest.fixture(autouse=True, scope="session")
 def static_root():
     """WhiteNoise warns on every request when STATIC_ROOT is missing; tests never collect static files."""
@@ -145,10 +169,20 @@ def worker_client():
     return _make
 
 
+# Every permission an operator action on workers needs (workers.permissions).
+WORKER_MANAGER_PERMISSIONS = (
+    "workers.view_worker",
+    "workers.add_worker",
+    "workers.drain_worker",
+    "workers.rotate_worker_token",
+    "workers.delete_worker",
+)
+
+
 @pytest.fixture
 def operator():
-    """A user allowed to manage workers and read the audit log (not a superuser)."""
-    return UserFactory(permissions=["workers.manage_workers", "audit.view_auditevent"])
+    """A member of the shipped ``admin`` group (not a superuser): manages workers and jobs, reads the audit log."""
+    return UserFactory(groups=["admin"])
 
 
 @pytest.fixture
@@ -158,8 +192,14 @@ def operator_client(bearer_client, operator):
 
 @pytest.fixture
 def user_client(bearer_client):
-    """An authenticated operator without any model permission (may use the queue API only)."""
+    """An authenticated user without any permission: every operator endpoint refuses it (403)."""
     return bearer_client(UserFactory())
+
+
+@pytest.fixture
+def queue_client(bearer_client):
+    """A member of the shipped ``operator`` group: may read, submit, cancel and retry jobs."""
+    return bearer_client(UserFactory(groups=["operator"]))
 
 
 # --- the Django admin, through the test client ----------------------------------------------------

@@ -15,8 +15,9 @@ from common import admin_kit, humanize
 from workers.admin import LabelFilter
 from workers.models import TokenKind, Worker, WorkerStatus, WorkerType
 from workers.services import token_authenticate
-from workers.tests.factories import WorkerFactory, worker_token
+from workers.tests.factories import UserFactory, WorkerFactory, api_token, worker_token
 from workers.tests.support import (
+    WORKER_MANAGER_PERMISSIONS,
     action_names,
     admin_messages,
     admin_url,
@@ -32,7 +33,8 @@ pytestmark = pytest.mark.django_db
 LIST = "/admin/workers/worker/"
 ADD = LIST + "add/"
 LIVE = LIST + "live/"
-MANAGER_PERMISSIONS = ("workers.view_worker", "workers.manage_workers")
+TOKENS = "/admin/workers/token/"
+MANAGER_PERMISSIONS = WORKER_MANAGER_PERMISSIONS
 REFUSED_ONLINE = "Refused: worker {name} is {status}; only an offline worker can be deleted (drain it and stop its agent first)"
 
 
@@ -262,7 +264,7 @@ def test_the_local_type_is_not_offered(admin_client):
     assert not Worker.objects.exists()
 
 
-def test_staff_without_manage_workers_can_look_but_not_touch(staff_client, commit):
+def test_staff_who_may_only_view_workers_can_look_but_not_touch(staff_client, commit):
     client = staff_client("workers.view_worker")
     worker = WorkerFactory()
     token = worker_token(worker)
@@ -488,6 +490,67 @@ def test_tokens_cannot_be_deleted_from_the_admin_even_by_a_superuser(admin_clien
 
     assert response.status_code == 403
     assert worker.tokens.filter(pk=token_id).exists()
+
+
+@pytest.mark.parametrize(
+    ("permission", "action", "button"),
+    [
+        ("workers.drain_worker", "drain_workers", "drain"),
+        ("workers.rotate_worker_token", "rotate_token", "rotate"),
+        ("workers.delete_worker", "delete_workers", None),
+    ],
+)
+def test_each_worker_action_needs_its_own_permission(staff_client, permission, action, button):
+    client = staff_client("workers.view_worker", permission)
+    worker = WorkerFactory(offline=True)
+
+    assert action_names(client.get(LIST)) == {action}
+    detail = client.get(admin_url(worker)).content.decode()
+    shown = {b for b, marker in [("drain", 'id="drain-worker"'), ("rotate", 'id="rotate-token"')] if marker in detail}
+    assert shown == ({button} if button else set())
+    assert ('id="delete-worker"' in detail) == (button is None)
+    for other in {"drain", "rotate"} - {button}:
+        assert client.post(admin_url(worker, other)).status_code == 403
+    assert (client.get(admin_url(worker, "delete")).status_code == 200) == (button is None)
+    assert client.get(ADD).status_code == 403
+
+
+def test_revoking_operator_api_tokens_needs_its_permission_and_is_audited(staff_client, commit):
+    owner = UserFactory(username="prometheus")
+    api_token(owner)
+    token = owner.api_tokens.get()
+    viewer = staff_client("workers.view_token")
+    assert action_names(viewer.get(TOKENS)) == set()
+    post_action(viewer, TOKENS, "revoke_api_tokens", [token])
+    token.refresh_from_db()
+    assert token.revoked_at is None
+
+    manager = staff_client("workers.view_token", "workers.manage_api_tokens")
+    with commit():
+        response = post_action(manager, TOKENS, "revoke_api_tokens", [token])
+
+    assert admin_messages(response) == [f"Revoked 1 API token(s): {token.prefix}"]
+    token.refresh_from_db()
+    assert token.revoked_at is not None
+    (row,) = audit_rows(actions.API_TOKEN_REVOKED)
+    assert (row.target_type, row.target_id, row.details) == (
+        "user",
+        str(owner.pk),
+        {"username": "prometheus", "token_prefix": token.prefix},
+    )
+
+
+def test_worker_tokens_are_rotated_not_revoked_from_the_token_list(admin_client):
+    worker = WorkerFactory()
+    worker_token(worker)
+    token = worker.tokens.get()
+
+    response = post_action(admin_client, TOKENS, "revoke_api_tokens", [token])
+
+    assert admin_messages(response) == ["Refused: worker tokens are rotated from their worker's page, not revoked here."]
+    token.refresh_from_db()
+    assert token.revoked_at is None
+    assert audit_rows() == []
 
 
 def test_the_label_filter_offers_every_key_even_beside_a_high_cardinality_one(rf, admin_user):

@@ -1,4 +1,4 @@
-"""Operators' worker administration: /api/admin/workers (needs workers.manage_workers)."""
+"""Operators' worker administration: /api/admin/workers (one permission per action, workers.permissions)."""
 
 import hashlib
 
@@ -10,7 +10,7 @@ from job_queue.tests.factories import JobFactory, job_on_worker
 from workers.models import Token, TokenKind, Worker, WorkerStatus, WorkerType
 from workers.services import token_authenticate
 from workers.tests.factories import UserFactory, WorkerFactory, api_token, worker_token
-from workers.tests.support import audit_rows, sent_events
+from workers.tests.support import WORKER_MANAGER_PERMISSIONS, audit_rows, sent_events
 
 pytestmark = pytest.mark.django_db
 
@@ -44,7 +44,7 @@ def test_no_credentials_is_401_json(api_client, method, url):
 
 
 @pytest.mark.parametrize(("method", "url"), ENDPOINTS)
-def test_an_operator_without_manage_workers_gets_403(user_client, method, url):
+def test_an_operator_without_the_permissions_gets_403(user_client, method, url):
     response = getattr(user_client, method)(url, {"name": "sneaky"})
 
     assert response.status_code == 403
@@ -78,7 +78,7 @@ def test_a_revoked_operator_token_is_401(api_client, operator):
 
 
 def test_an_inactive_user_token_is_401(bearer_client):
-    user = UserFactory(permissions=["workers.manage_workers"])
+    user = UserFactory(permissions=list(WORKER_MANAGER_PERMISSIONS))
     client = bearer_client(user)
     user.is_active = False
     user.save()
@@ -90,6 +90,40 @@ def test_a_superuser_may_manage_workers(bearer_client):
     client = bearer_client(UserFactory(is_superuser=True))
 
     assert client.get(WORKERS).status_code == 200
+
+
+PER_ACTION = [  # (permission, method, path): each endpoint's one permission
+    ("workers.view_worker", "get", WORKERS),
+    ("workers.add_worker", "post", WORKERS),
+    ("workers.view_worker", "get", "{worker}"),
+    ("workers.delete_worker", "delete", "{worker}"),
+    ("workers.drain_worker", "post", "{worker}/drain"),
+    ("workers.rotate_worker_token", "post", "{worker}/token"),
+]
+
+
+def _fleet_state():
+    return sorted(Worker.objects.values_list("pk", "name", "status", "drain_requested_at")), sorted(
+        Token.objects.filter(kind=TokenKind.WORKER).values_list("pk", "revoked_at")
+    )
+
+
+@pytest.mark.parametrize(("permission", "method", "path"), PER_ACTION)
+def test_each_endpoint_needs_its_own_permission(bearer_client, permission, method, path):
+    others = [p for p in WORKER_MANAGER_PERMISSIONS if p != permission]
+    worker = WorkerFactory(offline=True)
+    worker_token(worker)
+    url = path.format(worker=f"{WORKERS}/{worker.pk}")
+    refusing, allowed = bearer_client(UserFactory(permissions=others)), bearer_client(UserFactory(permissions=[permission]))
+    before = _fleet_state()
+
+    refused = getattr(refusing, method)(url, {"name": "new-one"})
+
+    assert refused.status_code == 403
+    assert refused.json() == {"code": "permission_denied", "detail": f"You need the {permission} permission"}
+    assert _fleet_state() == before
+    assert audit_rows() == []
+    assert getattr(allowed, method)(url, {"name": "new-one"}).status_code in (200, 201, 204)
 
 
 # --- list and detail ----------------------------------------------------------------------------------

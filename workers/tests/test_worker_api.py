@@ -326,14 +326,15 @@ def test_failed_registration_is_audited_with_client_ip(api_client, token):
     assert response.status_code == 401
     assert response.json()["code"] == "not_authenticated"
     assert response.json()["detail"]
-    (failed,) = audit_rows(actions.WORKER_REGISTRATION_FAILED)
-    assert (failed.success, failed.client_ip, failed.actor_type, failed.actor_name) == (
+    (failed,) = audit_rows(actions.AUTH_FAILED)
+    assert (failed.success, failed.client_ip, failed.actor_type, failed.target_type) == (
         False,
         "10.9.8.7",
         "worker",
-        "intruder",
+        "token",
     )
-    assert failed.details["token_prefix"] == (token or "")[:6]
+    assert failed.details["token_prefix"] == (token or "")[:10]
+    assert failed.details["path"] == REGISTER
     assert failed.details["reason"]
     assert audit_rows(actions.WORKER_REGISTERED) == []
 
@@ -346,8 +347,10 @@ def test_registration_with_a_revoked_token_is_refused_and_audited(worker_client)
     response = worker_client(worker, token=plaintext).post(REGISTER, UPSTREAM_BODY, REMOTE_ADDR="192.0.2.1")
 
     assert response.status_code == 401
-    (failed,) = audit_rows(actions.WORKER_REGISTRATION_FAILED)
+    (failed,) = audit_rows(actions.AUTH_FAILED)
     assert (failed.success, failed.client_ip) == (False, "192.0.2.1")
+    assert failed.details["token_prefix"] == worker.tokens.get().prefix  # the revoked token, recognisable
+    assert plaintext not in str(failed.details)
     assert _reload(worker).status == WorkerStatus.CONNECTING
 
 
@@ -357,7 +360,7 @@ def test_an_operator_token_cannot_register_a_worker(operator_client):
     assert response.status_code == 401
     assert response.json()["code"] == "not_authenticated"
     assert audit_rows(actions.WORKER_REGISTERED) == []
-    assert audit_rows(actions.WORKER_REGISTRATION_FAILED)
+    assert audit_rows(actions.AUTH_FAILED)
 
 
 # --- heartbeat ------------------------------------------------------------------------------------

@@ -1,0 +1,3 @@
+"""The permission to read the audit trail (checked by ``common.permissions``)."""
+
+VIEW_AUDIT = "audit.view_auditevent"

@@ -1,0 +1,152 @@
+"""Failed token authentication: counted per client address, refused with 429 past the rate, audited in bounded form.
+
+Every refused worker or operator token (the worker stream's too) is counted against its client
+address in fixed windows of DRF's ``failed_auth`` rate (``SIMPLETUNER_FAILED_AUTH_RATE``, e.g.
+``30/min``: 30 failures per minute). Past the rate, a refused token is answered 429 with
+``Retry-After`` (the end of the window) instead of 401. The audit trail gets at most two rows per
+address and window, whatever the flood: the window's first refusal (``auth.failed``, with the count
+of the window before) and the one that crossed the rate (``auth.throttled``), recording the
+address and the token's display prefix, never the token.
+
+Only failures touch the counters: a valid token is looked up exactly as before, with no cache access,
+so a throttled address still gets its valid tokens served (a misconfigured agent behind a NAT does
+not lock its neighbours out). The counters live in the cache: Redis when ``REDIS_URL`` is set,
+shared by every server process; the process's memory otherwise, or while Redis is unreachable.
+"""
+
+import ipaddress
+import logging
+import math
+import time
+
+from django.core.cache import cache
+from django.core.cache.backends.locmem import LocMemCache
+from rest_framework.settings import api_settings
+from rest_framework.throttling import SimpleRateThrottle
+
+from audit import actions
+from common.remote import client_ip
+
+from .models import TokenKind, token_display_prefix
+from .services import auth_failure_audit
+
+logger = logging.getLogger(__name__)
+
+SCOPE = "failed_auth"
+KINDS = {TokenKind.WORKER: "worker", TokenKind.API: "operator"}
+
+# Where the counters go while the shared cache (Redis) cannot be reached: this process's memory, for
+# RETRY_SHARED_AFTER_S before the shared cache is tried again.
+_fallback = LocMemCache("simpletuner-failed-auth", {})
+RETRY_SHARED_AFTER_S = 30.0
+_shared_down_until = 0.0
+
+
+def address_key(address):
+    """Return what the rate applies to for ``address``: the address, or its /64 network for IPv6."""
+    if not address:
+        return "unknown"
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return "unknown"
+    if ip.version == 6:
+        if ip.ipv4_mapped:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False).network_address) + "/64"
+    return str(ip)
+
+
+def _cache_call(method, *args):
+    """Call ``method`` on the shared cache, or on this process's memory while the shared one fails."""
+    global _shared_down_until
+    if time.monotonic() >= _shared_down_until:
+        try:
+            return getattr(cache, method)(*args)
+        except ValueError:  # incr of a missing key: the caller's to handle
+            raise
+        except Exception as exc:  # the backend's own errors (redis-py's), whatever it is
+            logger.warning("failed-authentication counters: cache unreachable (%s); counting in this process", exc)
+            _shared_down_until = time.monotonic() + RETRY_SHARED_AFTER_S
+    return getattr(_fallback, method)(*args)
+
+
+def _increment(key, timeout):
+    try:
+        return _cache_call("incr", key)
+    except ValueError:  # the first failure of this window
+        if _cache_call("add", key, 1, timeout):
+            return 1
+        return _cache_call("incr", key)
+
+
+class FailedAuthenticationThrottle(SimpleRateThrottle):
+    """DRF's rate throttle over failed authentications only, in fixed windows: one atomic counter per address."""
+
+    scope = SCOPE
+    cache_format = "failed-auth:%(ident)s:%(window)d"
+
+    def __init__(self):
+        self.rate = self.get_rate()
+        self.num_requests, self.duration = self.parse_rate(self.rate)
+
+    def get_rate(self):
+        return api_settings.DEFAULT_THROTTLE_RATES[self.scope]  # read now: settings may change (tests)
+
+    def key(self, ident, window):
+        return self.cache_format % {"ident": ident, "window": window}
+
+    def allow_request(self, request, view=None):
+        """Count one failed authentication from ``request``'s address; return False once past the rate."""
+        self.now = self.timer()
+        self.ident = address_key(client_ip(request))
+        self.window = int(self.now // self.duration)
+        self.failures = _increment(self.key(self.ident, self.window), self.duration * 2)
+        return self.failures <= self.num_requests
+
+    def wait(self):
+        """Return the seconds until the address's window ends."""
+        return max(1, math.ceil((self.window + 1) * self.duration - self.now))
+
+    def failures_in_previous_window(self):
+        return _cache_call("get", self.key(self.ident, self.window - 1), 0)
+
+
+def authentication_failed(request, *, kind, presented, reason):
+    """Count a refused token ``presented`` by ``request`` and audit it, bounded; return the seconds the
+    address must wait when it is past the rate (answer 429), else None (answer 401).
+    """
+    throttle = FailedAuthenticationThrottle()
+    allowed = throttle.allow_request(request)
+    address = client_ip(request)
+    seen = {"token_prefix": token_display_prefix(presented), "path": _printable(request.path, 200)}
+    if throttle.failures == 1:
+        auth_failure_audit(
+            action=actions.AUTH_FAILED,
+            kind=KINDS[kind],
+            address=address,
+            details={
+                **seen,
+                "reason": reason,
+                "window_seconds": throttle.duration,
+                "failures_in_previous_window": throttle.failures_in_previous_window(),
+            },
+        )
+    if allowed:
+        return None
+    wait = throttle.wait()
+    if throttle.failures == throttle.num_requests + 1:
+        logger.warning(
+            "failed authentication from %s throttled: %d failures within %d s", address, throttle.failures, throttle.duration
+        )
+        auth_failure_audit(
+            action=actions.AUTH_THROTTLED,
+            kind=KINDS[kind],
+            address=address,
+            details={**seen, "failures": throttle.failures, "window_seconds": throttle.duration, "retry_after": wait},
+        )
+    return wait
+
+
+def _printable(text, limit):
+    return "".join(c if c.isprintable() else "?" for c in (text or "")[:limit])
