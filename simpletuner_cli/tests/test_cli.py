@@ -247,14 +247,23 @@ def test_the_local_worker_and_its_trainer_die_with_a_server_killed_9(start_serve
         timeout=10,
     )
     assert submitted.status_code == 201, submitted.text
-    [job_trainer] = poll(lambda: agent.children(recursive=True) or None, timeout=20, message="the trainer to start")
+    # The trainer runs under its supervisor (worker_agent/supervisor.py): both descend from the agent.
+    job_processes = poll(
+        lambda: (found if len(found := agent.children(recursive=True)) >= 2 else None),
+        timeout=20,
+        message="the trainer and its supervisor to start",
+    )
 
     server.process.kill()  # no chance to stop its local worker
     server.process.wait(timeout=STOP_GRACE_S)
 
     # A busy agent would finish its job on SIGTERM; without its server it could report nothing, so the
     # kernel kills it with its parent, and its trainer with it.
-    poll(lambda: _gone(agent) and _gone(job_trainer), timeout=STOP_GRACE_S, message="the local worker and trainer to die")
+    poll(
+        lambda: _gone(agent) and all(_gone(process) for process in job_processes),
+        timeout=STOP_GRACE_S,
+        message="the local worker, the trainer and its supervisor to die",
+    )
 
 
 def _api_token(data_dir):
