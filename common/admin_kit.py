@@ -2,6 +2,7 @@
 
 import json
 
+from django import forms
 from django.contrib import messages
 from django.contrib.admin.utils import quote, unquote
 from django.core.exceptions import PermissionDenied
@@ -17,6 +18,7 @@ from django.utils.html import conditional_escape, format_html
 
 from .errors import ServiceError
 from .humanize import ago
+from .inputs import limit, text_problem
 from .permissions import may
 
 LIVE_ROWS_MAX = 500
@@ -105,7 +107,7 @@ class LiveChangeListMixin:
         """Return the live cells of the rows whose primary keys ``?ids=`` lists (at most 500)."""
         if not self.has_view_or_change_permission(request):
             raise PermissionDenied
-        ids = [pk for pk in request.GET.get("ids", "").split(",") if pk][:LIVE_ROWS_MAX]
+        ids = [pk for pk in request.GET.get("ids", "").split(",") if pk and not text_problem(pk)][:LIVE_ROWS_MAX]
         fields = (*self.live_fields, *self.live_detail_fields) if request.GET.get("detail") else self.live_fields
         queryset = self.get_queryset(request).filter(pk__in=ids)
         if self.list_select_related:  # as the list page does, or one query per row for its links
@@ -221,3 +223,19 @@ def form_page(modeladmin, request, form, *, title, intro, form_id, submit_label)
         "media": modeladmin.media + form.media,
     }
     return TemplateResponse(request, "admin/simpletuner/form_page.html", context)
+
+
+class JSONFormField(forms.JSONField):
+    """A form's JSON field that refuses JSON nested too deep for the decoder as invalid input, not a crash."""
+
+    def to_python(self, value):
+        try:
+            return super().to_python(value)
+        except RecursionError:
+            raise forms.ValidationError(f"JSON nested deeper than {limit('MAX_JSON_DEPTH')} levels") from None
+
+    def bound_data(self, data, initial):
+        try:
+            return super().bound_data(data, initial)
+        except RecursionError:
+            return forms.fields.InvalidJSONInput(data)

@@ -1,29 +1,43 @@
 """API plumbing shared by every app: the error format (and its OpenAPI shape) and the client's address."""
 
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
 from django.http import JsonResponse
 from drf_spectacular.utils import OpenApiResponse
 from rest_framework import exceptions, serializers, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
-from .errors import ServiceError
+from .errors import InvalidInput, ServiceError
+from .inputs import QUERY_PARAM_MAX_CHARS, text_problem
+
+API_PREFIX = "/api/"
 
 _DRF_CODES = {
+    status.HTTP_400_BAD_REQUEST: "bad_request",
     status.HTTP_401_UNAUTHORIZED: "not_authenticated",
     status.HTTP_403_FORBIDDEN: "permission_denied",
     status.HTTP_404_NOT_FOUND: "not_found",
     status.HTTP_405_METHOD_NOT_ALLOWED: "method_not_allowed",
+    status.HTTP_413_REQUEST_ENTITY_TOO_LARGE: "request_too_large",
     status.HTTP_415_UNSUPPORTED_MEDIA_TYPE: "unsupported_media_type",
     status.HTTP_429_TOO_MANY_REQUESTS: "throttled",
+    status.HTTP_500_INTERNAL_SERVER_ERROR: "server_error",
 }
 
 
+def error_code(status_code):
+    """Return the error ``code`` the API gives a bare HTTP status (``not_found`` for 404...)."""
+    return _DRF_CODES.get(status_code, "error")
+
+
 _ERROR_DESCRIPTIONS = {
-    400: "Invalid request (code `invalid` with per-field `errors`, or a specific code such as `invalid_filter`)",
+    400: "Invalid request (code `invalid` with per-field `errors`, or a specific code such as `invalid_filter`, `parse_error`, `json_too_deep`)",
     401: "Missing, unknown or revoked credentials (`not_authenticated`)",
     403: "Authenticated but not allowed (`permission_denied`)",
     404: "No such object (`not_found`)",
     409: "Conflicts with the object's current state (`conflict`, `invalid_transition`, `stale_report`)",
+    413: "The request body is over the size limit (`request_too_large`)",
 }
 
 
@@ -65,10 +79,28 @@ def error_response(code, detail, status_code, **extra):
     return JsonResponse(error_body(code, detail, **extra), status=status_code)
 
 
+def query_param(request, name):
+    """Return the query parameter ``name`` (None when absent or empty); raise InvalidInput (``invalid_filter``)
+    when it is over QUERY_PARAM_MAX_CHARS or holds a NUL or an unpaired surrogate."""
+    value = request.query_params.get(name)
+    if not value:
+        return None
+    problem = text_problem(value) or (f"is over {QUERY_PARAM_MAX_CHARS} characters" if len(value) > QUERY_PARAM_MAX_CHARS else None)
+    if problem:
+        raise InvalidInput(f"{name} {problem}", code="invalid_filter")
+    return value
+
+
 def exception_handler(exc, context):
     """Render every API error as ``{"code", "detail"}`` (plus ``errors`` for field validation)."""
     if isinstance(exc, ServiceError):
         return Response(error_body(exc.code, exc.detail, **exc.extra), status=exc.status_code)
+    if isinstance(exc, RequestDataTooBig):  # Django's own check (DATA_UPLOAD_MAX_MEMORY_SIZE), as DRF reads the body
+        most = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        return Response(
+            error_body("request_too_large", f"the request body is over {most} bytes; at most {most} are accepted"),
+            status=status.HTTP_413_REQUEST_ENTITY_TOO_LARGE,
+        )
     response = drf_exception_handler(exc, context)
     if response is None:
         return None
@@ -76,14 +108,15 @@ def exception_handler(exc, context):
         response.data = error_body("invalid", "The request is invalid; see errors.", errors=exc.detail)
     else:
         detail = response.data.get("detail", str(exc)) if isinstance(response.data, dict) else str(exc)
-        code = _DRF_CODES.get(response.status_code) or getattr(exc, "default_code", None) or "error"
+        own = getattr(exc, "default_code", None)  # parse_error, json_too_deep, ...: more telling than bad_request
+        code = (own if response.status_code == 400 else None) or _DRF_CODES.get(response.status_code) or own or "error"
         response.data = error_body(code, str(detail))
     return response
 
 
 def not_found(request, exception=None):
     """JSON 404 for unknown API paths (Django's HTML page elsewhere)."""
-    if request.path.startswith("/api/"):
+    if request.path.startswith(API_PREFIX):
         return error_response("not_found", f"no endpoint at {request.path}", 404)
     from django.views.defaults import page_not_found
 

@@ -1,18 +1,14 @@
-"""Middleware shared by every app."""
+"""Middleware shared by every app: what every answer under ``/api/`` carries (no caching; errors as JSON)."""
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
+from rest_framework.response import Response
 
-API_PREFIX = "/api/"
+from .http import API_PREFIX, error_code, error_response
 
 
-class APINoStoreMiddleware:
-    """``Cache-Control: no-store`` on every API response that sets no caching itself.
-
-    API answers carry tokens (a worker's token at creation and rotation), job configs (which hold
-    secrets) and a fleet's state: none belongs in a browser's cache or history, or a proxy's. The
-    admin's own views already say ``no-store`` (Django's ``never_cache``). Sync and async alike, so it
-    adds no thread hop to async views.
-    """
+class _ResponseMiddleware:
+    """A middleware that only looks at the response (``respond(request, response)``), sync and async
+    alike, so it adds no thread hop to async views (the streams)."""
 
     sync_capable = True
     async_capable = True
@@ -25,13 +21,53 @@ class APINoStoreMiddleware:
     def __call__(self, request):
         if iscoroutinefunction(self):
             return self._acall(request)
-        return self._mark(request, self.get_response(request))
+        return self.respond(request, self.get_response(request))
 
     async def _acall(self, request):
-        return self._mark(request, await self.get_response(request))
+        return self.respond(request, await self.get_response(request))
 
     @staticmethod
-    def _mark(request, response):
+    def respond(request, response):
+        raise NotImplementedError
+
+
+class APINoStoreMiddleware(_ResponseMiddleware):
+    """``Cache-Control: no-store`` on every API response that sets no caching itself.
+
+    API answers carry tokens (a worker's token at creation and rotation), job configs (which hold
+    secrets) and a fleet's state: none belongs in a browser's cache or history, or a proxy's. The
+    admin's own views already say ``no-store`` (Django's ``never_cache``).
+    """
+
+    @staticmethod
+    def respond(request, response):
         if request.path.startswith(API_PREFIX) and not response.has_header("Cache-Control"):
             response["Cache-Control"] = "no-store"
         return response
+
+
+class ApiErrorsAsJsonMiddleware(_ResponseMiddleware):
+    """Turn a non-JSON 4xx/5xx response to an ``/api/`` path into the API's error format, keeping its status.
+
+    DRF's own responses are already in that format (rendered as the client asked) and pass untouched;
+    this catches what Django answers by itself: its 400/403/500 pages, CSRF failures, DEBUG pages.
+    """
+
+    @staticmethod
+    def respond(request, response):
+        if (
+            response.status_code < 400
+            or not request.path.startswith(API_PREFIX)
+            or isinstance(response, Response)
+            or response.get("Content-Type", "").startswith("application/json")
+        ):
+            return response
+        replacement = error_response(
+            error_code(response.status_code),
+            f"{response.reason_phrase.lower()} ({response.status_code}) for {request.method} {request.path}",
+            response.status_code,
+        )
+        for header in ("Allow", "Retry-After"):
+            if header in response:
+                replacement[header] = response[header]
+        return replacement

@@ -17,6 +17,7 @@ from audit.html import audit_trail_html
 from audit.services import Actor
 from common.admin_kit import (
     EstimatedCountPaginator,
+    JSONFormField,
     LiveChangeListMixin,
     ObjectButtonsMixin,
     OperatorPermissionsMixin,
@@ -41,13 +42,13 @@ class JobSubmitForm(forms.Form):
     """The API's submission, as a form; validated by the API's own serializer so both accept the same jobs."""
 
     config_name = forms.CharField(max_length=255, help_text="A name for this training configuration.")
-    config = forms.JSONField(
+    config = JSONFormField(
         required=False,  # "{}" is empty to a required field; blank or {} means no settings, as in the API
         initial=dict,
         widget=forms.Textarea(attrs={"rows": 12, "cols": 80, "class": "st-json", "spellcheck": "false"}),
         help_text='The trainer\'s configuration as a JSON object, e.g. {"learning_rate": 0.0001, "num_processes": 1}.',
     )
-    dataloader = forms.JSONField(
+    dataloader = JSONFormField(
         required=False,
         widget=forms.Textarea(attrs={"rows": 4, "cols": 80, "class": "st-json", "spellcheck": "false"}),
         help_text="Optional dataloader configuration: a JSON object or list.",

@@ -99,7 +99,7 @@ class Job(models.Model):
     worker_name = models.CharField(max_length=128, blank=True, default="", help_text="Kept after worker deletion.")
     progress = models.JSONField(default=dict, blank=True)
     last_error = models.TextField(blank=True, default="")
-    exit_code = models.IntegerField(null=True, blank=True)
+    exit_code = models.BigIntegerField(null=True, blank=True, help_text="As the agent reported it: up to 2**32-1 (Windows)")
     log_tail = models.TextField(blank=True, default="", help_text="Last lines of the trainer's output.")
 
     submitted_at = models.DateTimeField(auto_now_add=True, db_index=True)

@@ -24,38 +24,29 @@ from .transitions import (
     recoverable_attempt,
 )
 
-LOG_TAIL_MAX_CHARS = 16_000
-
-
 def _normalise_progress(value):
-    if value is None:
+    """Return a report's progress as an object, or None: a bare number is a fraction (or a percentage);
+    anything else that is not an object is ignored, never refused (trainer output)."""
+    if isinstance(value, bool) or value is None:
         return None
-    if isinstance(value, bool):
-        raise InvalidInput("progress must be a number or an object", code="invalid_progress")
     if isinstance(value, (int, float)):
         if not math.isfinite(value) or value < 0:
-            raise InvalidInput("progress must be a finite number >= 0", code="invalid_progress")
+            return None
         return {"fraction": min(value if value <= 1 else value / 100.0, 1.0)}
-    if isinstance(value, dict):
-        return value
-    raise InvalidInput("progress must be a number or an object", code="invalid_progress")
+    return value if isinstance(value, dict) else None
 
 
 def _progress_fields(data):
+    """Return the Job fields a report or heartbeat carries: progress, log tail, exit code (validated and
+    cleaned by the serializers: ``common.fields.TrainerJSON``, ``TrainerLog``, ``BoundedInt``)."""
     fields = {}
     progress = _normalise_progress(data.get("progress"))
     if progress is not None:
         fields["progress"] = progress
-    log_tail = data.get("log_tail")
-    if log_tail is not None:
-        if isinstance(log_tail, list):
-            log_tail = "\n".join(str(line) for line in log_tail)
-        fields["log_tail"] = str(log_tail)[-LOG_TAIL_MAX_CHARS:]
+    if data.get("log_tail") is not None:
+        fields["log_tail"] = data["log_tail"]
     if data.get("exit_code") is not None:
-        try:
-            fields["exit_code"] = int(data["exit_code"])
-        except (TypeError, ValueError):
-            raise InvalidInput("exit_code must be an integer", code="invalid_exit_code") from None
+        fields["exit_code"] = data["exit_code"]
     return fields
 
 

@@ -7,6 +7,7 @@ from django.utils import timezone
 from audit import actions
 from audit.services import audit_record, audited_atomic
 from common.errors import Conflict, InvalidInput, NotFound
+from common.inputs import GPU_COUNT_MAX, clean_labels
 from worker_agent import protocol
 from workers import events as worker_events
 from workers.models import Worker
@@ -22,7 +23,10 @@ def lock_job(job_id):
 
 
 def required_gpus(*, gpu_count, config):
-    """Return the GPUs a job needs: the request's ``gpu_count``, else the config's ``num_processes``, else 0."""
+    """Return the GPUs a job needs: the request's ``gpu_count``, else the config's ``num_processes``, else 0.
+
+    Raise InvalidInput (``invalid_config``) unless ``num_processes`` is an integer from 0 to GPU_COUNT_MAX.
+    """
     if gpu_count is not None:
         return gpu_count
     for key in ("num_processes", "--num_processes"):
@@ -30,12 +34,20 @@ def required_gpus(*, gpu_count, config):
         if value not in (None, ""):
             try:
                 number = int(value)
-            except (TypeError, ValueError):
-                raise InvalidInput(f"config {key} must be an integer, got {value!r}", code="invalid_config") from None
-            if number < 0:
-                raise InvalidInput(f"config {key} must be >= 0", code="invalid_config")
+            except (TypeError, ValueError, OverflowError):
+                raise InvalidInput(f"config {key} must be an integer, got {value!r}"[:300], code="invalid_config") from None
+            if not 0 <= number <= GPU_COUNT_MAX:
+                raise InvalidInput(f"config {key} must be from 0 to {GPU_COUNT_MAX}, got {number}"[:300], code="invalid_config")
             return number
     return 0
+
+
+def clean_worker_labels(worker_labels):
+    """Return a job's label selectors (name -> glob) by the label rules; raise InvalidInput (``invalid_labels``)."""
+    try:
+        return clean_labels(worker_labels, what="label selector")
+    except ValueError as exc:
+        raise InvalidInput(f"worker_labels: {exc}", code="invalid_labels") from None
 
 
 def job_submit(
@@ -96,7 +108,7 @@ def _job_create(
         config=config,
         dataloader=dataloader,
         target=target,
-        worker_labels=worker_labels or {},
+        worker_labels=clean_worker_labels(worker_labels),
         gpu_count=required_gpus(gpu_count=gpu_count, config=config),
         priority=priority,
         max_retries=settings.SIMPLETUNER["JOB_MAX_RETRIES"] if max_retries is None else max_retries,

@@ -15,13 +15,13 @@ from audit import actions
 from audit.services import audit_events, audit_write
 from common import outbox
 from common.errors import InvalidTransition
+from common.inputs import TRAINER_ERROR_MAX_CHARS as ERROR_MAX_CHARS
 from common.updates import update_rows
 from worker_agent import protocol
 
 from . import events
 from .models import JOB_ACTIVE, JOB_TERMINAL, JOB_TRANSITIONS, AttemptOutcome, Job, JobAttempt, JobStatus
 
-ERROR_MAX_CHARS = 4000
 # What a job that goes back to the queue forgets of its lost attempt.
 BACK_TO_QUEUE = {"worker": None, "lease_id": None, "dispatched_at": None, "started_at": None}
 

@@ -42,7 +42,7 @@ def _env_seconds(name, default):
     return value
 
 
-def _env_int(name, default, minimum=0):
+def _env_int(name, default, minimum=0, maximum=None):
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -52,6 +52,8 @@ def _env_int(name, default, minimum=0):
         raise ImproperlyConfigured(f"{name} must be an integer, got {raw!r}") from None
     if value < minimum:
         raise ImproperlyConfigured(f"{name} must be >= {minimum}, got {raw!r}")
+    if maximum is not None and value > maximum:
+        raise ImproperlyConfigured(f"{name} must be <= {maximum}, got {raw!r}")
     return value
 
 
@@ -154,6 +156,7 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "common.middleware.APINoStoreMiddleware",
+    "common.middleware.ApiErrorsAsJsonMiddleware",  # sees every response from the layers below (NoStore marks its own)
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -262,12 +265,20 @@ SIMPLETUNER = {
     # redelivers it, so a dispatch still unacknowledged after this long was lost in transit: requeue it.
     "DISPATCH_ACK_TIMEOUT": _env_seconds("SIMPLETUNER_DISPATCH_ACK_TIMEOUT", 60),
     "EPHEMERAL_CLEANUP_AFTER": _env_seconds("SIMPLETUNER_EPHEMERAL_CLEANUP_AFTER", 3600),
-    "JOB_MAX_RETRIES": _env_int("SIMPLETUNER_JOB_MAX_RETRIES", 3, minimum=0),
+    "JOB_MAX_RETRIES": _env_int("SIMPLETUNER_JOB_MAX_RETRIES", 3, minimum=0, maximum=100),
     # The built-in local worker that `simpletuner server` starts (see simpletuner_cli.local_worker).
     "LOCAL_WORKER_NAME": _local_worker_name(),
     # Who may read /metrics: operators (API token or session), public (no auth), off (404).
     "METRICS": _env_choice("SIMPLETUNER_METRICS", "operators", ("operators", "public", "off")),
+    # What a client may send (common.inputs; README "Limits"). Over a limit: 413 for the body, else 400.
+    "MAX_REQUEST_BYTES": _env_int("SIMPLETUNER_MAX_REQUEST_BYTES", 1024 * 1024, minimum=64 * 1024, maximum=256 * 1024 * 1024),
+    "MAX_JSON_DEPTH": _env_int("SIMPLETUNER_MAX_JSON_DEPTH", 32, minimum=8, maximum=200),
+    "MAX_LABELS": _env_int("SIMPLETUNER_MAX_LABELS", 32, minimum=1, maximum=1000),
+    "MAX_GPU_INFO_BYTES": _env_int("SIMPLETUNER_MAX_GPU_INFO_BYTES", 64 * 1024, minimum=1024, maximum=16 * 1024 * 1024),
 }
+
+# Form posts (the admin) are bounded like API bodies.
+DATA_UPLOAD_MAX_MEMORY_SIZE = SIMPLETUNER["MAX_REQUEST_BYTES"]
 
 # prometheus_client's multiprocess mode (observability.metrics): every orchestrator process on a host
 # writes its counters there, and a scrape of any one of them sums them all.
@@ -290,7 +301,8 @@ REST_FRAMEWORK = {
     # the worker protocol's views and the schema set their own.
     "DEFAULT_PERMISSION_CLASSES": ["common.permissions.OperatorPermission"],
     "EXCEPTION_HANDLER": "common.http.exception_handler",
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "DEFAULT_PAGINATION_CLASS": "common.pagination.LimitOffsetPagination",
+    "DEFAULT_PARSER_CLASSES": ["common.parsers.JSONParser"],
     "PAGE_SIZE": 100,
     "UNAUTHENTICATED_USER": None,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",

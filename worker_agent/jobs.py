@@ -385,9 +385,13 @@ class JobsMixin:
         self.report_due = None
         self._after_job(reported=True)
 
-    def _send_result(self, job_id, body, path):
+    def _send_result(self, job_id, body, path, *, minimal=False):
         """Report a result; return True once the orchestrator answered (the journal is then marked
-        delivered), the TransientError to retry after, or None after a fatal error."""
+        delivered), the TransientError to retry after, or None after a fatal error.
+
+        A result rejected as sent (4xx: e.g. an output the orchestrator cannot take) is sent once more
+        in its minimal form (``protocol.minimal_report``: no log, no progress), which it always accepts.
+        """
         try:
             self.client.report(job_id, body)
         except Refused as exc:
@@ -398,6 +402,13 @@ class JobsMixin:
         except TransientError as exc:
             return exc
         except Rejected as exc:
+            if not minimal and body.get("status") in protocol.RESULT_STATUSES:
+                logger.error(
+                    "The orchestrator rejected the result of job %s (%s); reporting it again without its log and progress",
+                    job_id,
+                    exc,
+                )
+                return self._send_result(job_id, protocol.minimal_report(body), path, minimal=True)
             logger.error("The orchestrator rejected the result of job %s: %s", job_id, exc)
         if path is not None:
             journal.mark_delivered(path)

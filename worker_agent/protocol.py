@@ -91,6 +91,7 @@ FAILED = "failed"
 CANCELLED = "cancelled"
 REPORTED_STATUSES = (STARTING, TRAINING, RUNNING, COMPLETED, FAILED, CANCELLED)
 RUNNING_STATUSES = frozenset({STARTING, TRAINING, RUNNING})
+RESULT_STATUSES = frozenset({COMPLETED, FAILED, CANCELLED})  # an attempt's end: reported once, retried until answered
 ReportedStatus = Literal["starting", "training", "running", "completed", "failed", "cancelled"]
 
 # The agent's own state in a heartbeat.
@@ -180,6 +181,33 @@ class JobReport(TypedDict, total=False):
 
 # The reason a report read back from an agent's journal gives in the job's audit trail.
 FROM_JOURNAL = "from the agent's journal"
+
+# The exit codes a report may carry: a shell's (0-255, 128+N for signal N), a negative one, or a Windows
+# one such as 0xC0000005 (3221225477, an access violation). Others are left out of a report.
+EXIT_CODE_MIN = -(2**31)
+EXIT_CODE_MAX = 2**32 - 1
+MINIMAL_ERROR_MAX_CHARS = 500
+
+
+def minimal_report(report):
+    """Return the smallest form of the result ``report`` (a JobReport of a RESULT_STATUSES status).
+
+    The way out when the orchestrator refuses a result as sent (a 4xx other than 401, 403 and 409): it
+    keeps ``status``, ``attempt``, ``journal``, ``exit_code`` when it is an integer in range and the
+    start of ``error`` with control characters, NUL and unpaired surrogates replaced; no progress, no
+    log. The orchestrator always accepts it, so a job whose trainer ended never stays running.
+    """
+    minimal: JobReport = {"status": report["status"], "attempt": report.get("attempt")}
+    code = report.get("exit_code")
+    if isinstance(code, int) and not isinstance(code, bool) and EXIT_CODE_MIN <= code <= EXIT_CODE_MAX:
+        minimal["exit_code"] = code
+    error = report.get("error")
+    if error:
+        text = str(error)[:MINIMAL_ERROR_MAX_CHARS]
+        minimal["error"] = "".join(c if c.isprintable() else " " if c.isspace() else "\ufffd" for c in text)
+    if report.get("journal"):
+        minimal["journal"] = True
+    return minimal
 
 
 class JobReportResponse(TypedDict):

@@ -13,6 +13,7 @@ from audit import actions
 from audit.models import ActorType
 from audit.services import Actor, audit_events, audit_record, audit_write, audited_atomic
 from common.errors import Conflict, InvalidInput, NotFound
+from common.inputs import GPU_COUNT_MAX, GPU_VRAM_GB_MAX, clean_labels, clean_text, text_problem
 
 from worker_agent import protocol
 
@@ -124,23 +125,26 @@ def lock_worker(worker_id):
 
 
 def _clean_labels(labels):
-    if labels is None:
-        return {}
-    if not isinstance(labels, dict):
-        raise InvalidInput("labels must be an object of string values", code="invalid_labels")
-    cleaned = {}
-    for key, value in labels.items():
-        if not isinstance(key, str) or not key or not isinstance(value, (str, int, float, bool)):
-            raise InvalidInput(f"label {key!r} must map a non-empty name to a string", code="invalid_labels")
-        cleaned[key] = str(value).lower() if isinstance(value, bool) else str(value)
-    return cleaned
+    try:
+        return clean_labels(labels)
+    except ValueError as exc:
+        raise InvalidInput(f"labels: {exc}", code="invalid_labels") from None
+
+
+def _clean_name(name):
+    name = (name or "").strip()
+    if not name:
+        raise InvalidInput("name is required", code="invalid_name")
+    most = Worker._meta.get_field("name").max_length
+    problem = text_problem(name) or (f"is {len(name)} characters; at most {most}" if len(name) > most else None)
+    if problem:
+        raise InvalidInput(f"name {problem}", code="invalid_name")
+    return name
 
 
 def worker_create(*, name, worker_type=WorkerType.PERSISTENT, labels=None, actor):
     """Create a worker and its first token; return ``(worker, plaintext_token)``."""
-    name = (name or "").strip()
-    if not name:
-        raise InvalidInput("name is required", code="invalid_name")
+    name = _clean_name(name)
     if worker_type not in WorkerType.values:
         raise InvalidInput(f"worker_type must be one of {', '.join(WorkerType.values)}", code="invalid_worker_type")
     labels = _clean_labels(labels)
@@ -169,9 +173,7 @@ def worker_provision_local(*, name, actor, plaintext=None):
     close streams opened with them and issue a new one. Raise Conflict (``name_taken``) if a worker
     named ``name`` exists and is not of type ``local``.
     """
-    name = (name or "").strip()
-    if not name:
-        raise InvalidInput("name is required", code="invalid_name")
+    name = _clean_name(name)
     with audited_atomic():
         worker, created = Worker.objects.get_or_create(
             name=name, defaults={"worker_type": WorkerType.LOCAL, "labels": {}}
@@ -284,15 +286,15 @@ def worker_drain(*, worker_id, actor):
 # --- the agent's side of the protocol -----------------------------------------------------------
 
 
-def _number(value, *, field, integer=False, minimum=0):
+def _number(value, field, *, maximum, integer=False, minimum=0):
     if value is None or value == "":
         return None
     try:
         number = float(value)
-    except (TypeError, ValueError):
-        raise InvalidInput(f"{field} must be a number", code="invalid_capabilities") from None
-    if not math.isfinite(number) or number < minimum:
-        raise InvalidInput(f"{field} must be a finite number >= {minimum}", code="invalid_capabilities")
+    except (TypeError, ValueError, OverflowError):
+        raise InvalidInput(f"{field} must be a number from {minimum} to {maximum}", code="invalid_capabilities") from None
+    if not math.isfinite(number) or not minimum <= number <= maximum:
+        raise InvalidInput(f"{field} must be a number from {minimum} to {maximum}", code="invalid_capabilities")
     return int(number) if integer else number
 
 
@@ -305,12 +307,12 @@ def parse_capabilities(data):
 
     def pick(flat, nested):
         value = data.get(flat)
-        return gpu_info.get(nested) if value is None else value
+        return (gpu_info.get(nested), f"gpu_info.{nested}") if value is None else (value, flat)
 
-    count = _number(pick("gpu_count", "count"), field="gpu_count", integer=True)
-    vram = _number(pick("gpu_vram_gb", "vram_gb"), field="gpu_vram_gb")
-    name = pick("gpu_name", "name")
-    accelerator = pick("accelerator_type", "accelerator")
+    count = _number(*pick("gpu_count", "count"), maximum=GPU_COUNT_MAX, integer=True)
+    vram = _number(*pick("gpu_vram_gb", "vram_gb"), maximum=GPU_VRAM_GB_MAX)
+    name = pick("gpu_name", "name")[0]
+    accelerator = pick("accelerator_type", "accelerator")[0]
     raw = dict(gpu_info)
     for key in ("gpu_count", "gpu_name", "gpu_vram_gb", "accelerator_type", "gpus", "driver_version", "cuda_version"):
         if data.get(key) is not None:
@@ -330,10 +332,10 @@ def worker_register_failed(*, reason, token_prefix, ip, name=""):
     """Audit a refused registration (bad or revoked token)."""
     with audited_atomic():
         audit_record(
-            actor=Actor("worker", "", str(name or "")[:150], ip),
+            actor=Actor("worker", "", clean_text(str(name or "")[:150]), ip),
             action=actions.WORKER_REGISTRATION_FAILED,
             target_type="worker",
-            details={"reason": reason, "token_prefix": token_prefix},
+            details={"reason": reason, "token_prefix": clean_text(token_prefix)},
             success=False,
         )
 

@@ -5,11 +5,14 @@ from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers
 from rest_framework.generics import ListAPIView
 
-from common.http import error_responses
+from common.http import error_responses, query_param
 from common.errors import InvalidInput
 
 from ..models import AuditEvent
 from ..permissions import VIEW_AUDIT
+
+
+FILTERS = ("action", "actor_type", "actor_id", "target_type", "target_id", "success", "since", "until")
 
 
 class AuditEventSerializer(serializers.ModelSerializer):
@@ -41,22 +44,25 @@ class AuditEventListView(ListAPIView):
     operator_permissions = {"GET": VIEW_AUDIT}
 
     def get_queryset(self):
-        params = self.request.query_params
+        params = {name: query_param(self.request, name) for name in FILTERS}
         events = AuditEvent.objects.all()
-        action = params.get("action")
+        action = params["action"]
         if action:
             events = events.filter(action__startswith=action) if action.endswith(".") else events.filter(action=action)
         for field in ("actor_type", "actor_id", "target_type", "target_id"):
-            if params.get(field):
+            if params[field]:
                 events = events.filter(**{field: params[field]})
-        if params.get("success") is not None:
+        if params["success"] is not None:
             value = params["success"].lower()
             if value not in {"true", "false"}:
                 raise InvalidInput("success must be true or false", code="invalid_filter")
             events = events.filter(success=value == "true")
         for field, lookup in (("since", "created_at__gte"), ("until", "created_at__lt")):
-            if params.get(field):
-                moment = parse_datetime(params[field])
+            if params[field]:
+                try:
+                    moment = parse_datetime(params[field])
+                except ValueError:  # well formed, but no such date (2024-02-30)
+                    moment = None
                 if moment is None:
                     raise InvalidInput(f"{field} must be an ISO 8601 date-time", code="invalid_filter")
                 events = events.filter(**{lookup: moment})

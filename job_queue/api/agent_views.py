@@ -62,7 +62,7 @@ class RegisterView(WorkerAPIView):
         tags=["workers"],
         summary="Register (or re-register) the calling worker and learn where to stream from",
         request=RegisterSerializer,
-        responses={200: RegisterResponseSerializer, **error_responses(400, 401, 403)},
+        responses={200: RegisterResponseSerializer, **error_responses(400, 401, 403, 413)},
     )
     def post(self, request):
         try:
@@ -72,7 +72,7 @@ class RegisterView(WorkerAPIView):
                 reason=str(exc.detail),
                 token_prefix=request.auth.prefix,
                 ip=client_ip(request),
-                name=request.data.get("name", ""),
+                name=request.data.get("name", "") if isinstance(request.data, dict) else "",
             )
             raise
         result = agents.worker_register(worker_id=self.worker.pk, data=data, actor=self.actor)
@@ -89,7 +89,7 @@ class HeartbeatView(WorkerAPIView):
         tags=["workers"],
         summary="Report liveness, utilisation and progress",
         request=HeartbeatSerializer,
-        responses={200: HeartbeatResponseSerializer, **error_responses(400, 401, 403, 409)},
+        responses={200: HeartbeatResponseSerializer, **error_responses(400, 401, 403, 409, 413)},
     )
     def post(self, request):
         data = self.validated(HeartbeatSerializer, request.data)
@@ -101,7 +101,7 @@ class JobStatusView(WorkerAPIView):
         tags=["workers"],
         summary="Report a job's status (starting, running, completed, failed, cancelled)",
         request=JobStatusReportSerializer,
-        responses={200: JobReportResponseSerializer, **error_responses(400, 401, 403, 404, 409)},
+        responses={200: JobReportResponseSerializer, **error_responses(400, 401, 403, 404, 409, 413)},
     )
     def post(self, request, job_id):
         data = self.validated(JobStatusReportSerializer, request.data)
@@ -115,10 +115,11 @@ class QueueView(WorkerAPIView):
         summary="Ask for work: whether jobs are waiting that this worker could run (one is dispatched if so)",
         parameters=[WORKER_ID_QUERY],
         request=None,
-        responses={200: QueueStateSerializer, **error_responses(401, 403)},
+        responses={200: QueueStateSerializer, **error_responses(400, 401, 403, 413)},
     )
     def post(self, request):
-        self.check_worker_id(request.query_params.get("worker_id") or (request.data or {}).get("worker_id"))
+        claimed = self.validated(WorkerIdSerializer, request.data or {}).get("worker_id")
+        self.check_worker_id(request.query_params.get("worker_id") or claimed)
         return Response({"has_jobs": agents.worker_ask_for_work(worker_id=self.worker.pk)})
 
     @extend_schema(
@@ -137,7 +138,7 @@ class DisconnectView(WorkerAPIView):
         tags=["workers"],
         summary="Say goodbye: the worker goes offline (an ephemeral one is retired)",
         request=WorkerIdSerializer,
-        responses={200: WorkerStatusSerializer, **error_responses(400, 401, 403)},
+        responses={200: WorkerStatusSerializer, **error_responses(400, 401, 403, 413)},
     )
     def post(self, request):
         self.validated(WorkerIdSerializer, request.data)

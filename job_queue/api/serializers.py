@@ -2,27 +2,25 @@
 
 from rest_framework import serializers
 
+from common.fields import BoundedInt, BoundedJSON, BoundedText
+from common.inputs import GPU_COUNT_MAX
+
 from ..models import Job, JobAttempt, JobTarget
 from ..selectors import job_waiting_reason
 
 
 class JobSubmitSerializer(serializers.Serializer):
-    config_name = serializers.CharField(max_length=255)
-    config = serializers.DictField(required=False, default=dict)
-    dataloader = serializers.JSONField(required=False, allow_null=True, default=None)
+    config_name = BoundedText(max_length=255)
+    config = BoundedJSON(types=(dict,), required=False, default=dict)
+    dataloader = BoundedJSON(types=(dict, list), required=False, allow_null=True, default=None)
     target = serializers.ChoiceField(choices=JobTarget.choices, default=JobTarget.WORKER)
-    worker_labels = serializers.DictField(
-        child=serializers.CharField(max_length=200), required=False, default=dict
+    worker_labels = BoundedJSON(
+        types=(dict,), required=False, default=dict, help_text="Label name -> glob; the rules: README, Limits."
     )
-    gpu_count = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=1024, default=None)
-    priority = serializers.IntegerField(required=False, default=0, min_value=-1000, max_value=1000)
-    max_retries = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=100, default=None)
+    gpu_count = BoundedInt(required=False, allow_null=True, min_value=0, max_value=GPU_COUNT_MAX, default=None)
+    priority = BoundedInt(required=False, default=0, min_value=-1000, max_value=1000)
+    max_retries = BoundedInt(required=False, allow_null=True, min_value=0, max_value=100, default=None)
     retry_on_failure = serializers.BooleanField(required=False, default=False)
-
-    def validate_dataloader(self, value):
-        if value is not None and not isinstance(value, (dict, list)):
-            raise serializers.ValidationError("dataloader must be an object or a list")
-        return value
 
 
 class JobAttemptSerializer(serializers.ModelSerializer):

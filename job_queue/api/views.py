@@ -7,7 +7,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from audit.services import Actor
-from common.http import error_responses
+from common.http import error_responses, query_param
 from common.errors import InvalidInput, NotFound
 
 from .. import permissions, services
@@ -22,7 +22,7 @@ class JobSubmitView(APIView):
         tags=["queue"],
         summary="Submit a training job",
         request=JobSubmitSerializer,
-        responses={201: JobSubmittedSerializer, **error_responses(400, 401, 403)},
+        responses={201: JobSubmittedSerializer, **error_responses(400, 401, 403, 413)},
     )
     def post(self, request):
         serializer = JobSubmitSerializer(data=request.data)
@@ -56,14 +56,14 @@ class JobListView(ListAPIView):
 
     def get_queryset(self):
         jobs = Job.objects.select_related("submitted_by")
-        wanted = self.request.query_params.get("status")
+        wanted = query_param(self.request, "status")
         if wanted:
             statuses = wanted.split(",")
             unknown = set(statuses) - set(JobStatus.values)
             if unknown:
                 raise InvalidInput(f"unknown status {', '.join(sorted(unknown))}", code="invalid_filter")
             jobs = jobs.filter(status__in=statuses)
-        worker = self.request.query_params.get("worker")
+        worker = query_param(self.request, "worker")
         if worker:
             jobs = jobs.filter(worker_id=worker)
         return jobs

@@ -805,6 +805,69 @@ def test_an_answered_result_is_marked_delivered(answer):
     assert not outcome().exists() and reported_outcome().exists()
 
 
+def _rejected(status=400):
+    from worker_agent.client import Rejected
+
+    return Rejected(f"POST /api/workers/job/j_1/status: HTTP {status}: The request is invalid; see errors.", status=status)
+
+
+@pytest.mark.parametrize("status", [400, 413])
+def test_a_rejected_result_is_reported_once_more_in_its_minimal_form_and_the_job_ends(status):
+    agent = registered()
+    run = submit(agent)
+    run.emit("RuntimeError: bad\x00byte", step=3, loss=float("nan"))
+    agent.client.script("report:failed", _rejected(status), {"accepted": True})
+    run.exit(0xC0000005)
+    pump(agent)
+    (_, _, first), (_, _, second) = agent.client.reports("j_1")[-2:]
+    assert "log_tail" in first and "progress" in first
+    assert second == {
+        "status": "failed",
+        "attempt": "a_1",
+        "exit_code": 0xC0000005,
+        "error": "Training exited with code 3221225477: RuntimeError: bad\ufffdbyte",
+    }
+    assert agent.pending_report is None
+    assert not outcome().exists() and reported_outcome().exists()
+    assert [status for _, status, _ in agent.client.reports("j_1")] == ["starting", "running", "failed", "failed"]
+
+
+def test_a_result_rejected_twice_is_given_up_after_the_minimal_form():
+    agent = registered()
+    run = submit(agent)
+    agent.client.script("report:completed", _rejected())
+    run.exit(0)
+    pump(agent)
+    assert [status for _, status, _ in agent.client.reports("j_1")] == ["starting", "running", "completed", "completed"]
+    assert agent.pending_report is None and reported_outcome().exists()
+
+
+def test_a_rejected_progress_report_is_not_retried_in_minimal_form():
+    agent = registered()
+    run = submit(agent)
+    agent.client.script("report:running", _rejected())
+    run.emit("line", step=1)
+    agent.report_progress(force=True)
+    assert [status for _, status, _ in agent.client.reports("j_1")] == ["starting", "running", "running"]
+    assert agent.job is run
+
+
+def test_a_journaled_result_rejected_is_reported_minimal_and_still_says_journal():
+    agent = registered()
+    run = submit(agent)
+    agent.client.script("report:cancelled", TransientError("HTTP 503"))
+    run.stop(STOP_CANCEL)
+    run.exit(-15)
+    pump(agent)
+    again = make_agent()
+    again.client.script("report:cancelled", _rejected(), {"accepted": True})
+    run_until(again, lambda: again.registered, limit=60)
+    (_, _, first), (_, _, second) = again.client.reports("j_1")[:2]
+    assert first["journal"] is True and "log_tail" in first
+    assert second == {"status": "cancelled", "attempt": "a_1", "exit_code": 143, "error": "cancelled by the orchestrator", "journal": True}
+    assert reported_outcome().exists()
+
+
 def test_agent_recreated_after_an_undelivered_result_reports_it_with_its_attempt_before_registering():
     agent = registered()
     run = submit(agent)

@@ -40,3 +40,34 @@ def test_protocol_imports_only_the_standard_library():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, cwd=REPO_ROOT)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "['worker_agent']"
+
+
+def test_minimal_report_keeps_what_ends_the_job_and_nothing_a_server_could_refuse():
+    report = {
+        "status": protocol.FAILED,
+        "attempt": "a_1",
+        "exit_code": 0xC0000005,
+        "error": "Training exited: \x00\x1b[31mboom\udcff\n" + "x" * 1000,
+        "progress": {"loss": float("nan")},
+        "log_tail": "\x00" * 100,
+        "journal": True,
+    }
+
+    minimal = protocol.minimal_report(report)
+
+    assert set(minimal) == {"status", "attempt", "exit_code", "error", "journal"}
+    assert minimal["error"].startswith("Training exited: \ufffd\ufffd[31mboom\ufffd x")
+    assert len(minimal["error"]) == protocol.MINIMAL_ERROR_MAX_CHARS
+    assert all(c.isprintable() for c in minimal["error"])
+
+
+def test_minimal_report_leaves_out_an_exit_code_out_of_range():
+    for code in (2**32, -(2**31) - 1, 10**30, True, 3.5, "3"):
+        assert "exit_code" not in protocol.minimal_report({"status": "failed", "attempt": "a", "exit_code": code})
+    assert protocol.minimal_report({"status": "completed", "attempt": None, "exit_code": 0}) == {
+        "status": "completed",
+        "attempt": None,
+        "exit_code": 0,
+    }
+    assert protocol.RESULT_STATUSES == {"completed", "failed", "cancelled"}
+    assert (protocol.EXIT_CODE_MIN, protocol.EXIT_CODE_MAX) == (-(2**31), 2**32 - 1)

@@ -590,3 +590,63 @@ def test_sigterm_exits_promptly_while_the_orchestrator_does_not_answer(orchestra
     assert took < PROMPT_EXIT_S
     assert agent.has_line("Disconnecting (SIGTERM received)"), agent.describe()
     no_traceback(agent)
+
+
+# --- issue 12: whatever bytes a trainer prints, its job ends ------------------------------------------------
+
+# Prints NUL bytes, invalid UTF-8, a progress update with a NUL and the config's "last" line (<NUL> made a
+# NUL byte), then exits with the config's "exit".
+BYTES_TRAINER = r'''
+import json, os, sys
+config = json.load(open(os.environ["CONFIG_PATH"]))
+out = sys.stdout.buffer
+out.write(b"start\n")
+out.write(b"nul:\x00:between\n")
+out.write(b"bad utf8: \xff\xfe\xc3( end\n")
+out.write(b'SIMPLETUNER_PROGRESS {"step": 2, "total_steps": 2, "message": "m\\u0000x"}\n')
+out.write(config.get("last", "done").replace("<NUL>", "\0").encode() + b"\n")  # a config holds no NUL
+out.flush()
+sys.exit(config.get("exit", 0))
+'''
+
+
+@pytest.fixture
+def bytes_trainer(tmp_path):
+    script = tmp_path / "bytes_trainer.py"
+    script.write_text(BYTES_TRAINER)
+    return f"{sys.executable} {script}"
+
+
+def test_trainer_printing_nul_and_invalid_utf8_completes_with_its_log(orchestrator, fleet, agents, bytes_trainer):
+    worker = fleet.create_worker(labels={"pool": fleet.tag})
+    agent = agents.start(worker, extra_args=("--command", bytes_trainer))
+    agents.wait_ready(agent)
+
+    job_id = agents.submit(labels={"pool": fleet.tag}, config={"exit": 0})["job_id"]
+
+    job = job_in(orchestrator, job_id, "completed", "failed", "cancelled", timeout=JOB_DEADLINE_S)
+    assert (job["status"], job["exit_code"]) == ("completed", 0), job
+    assert job["log_tail"] == "start\nnul:\ufffd:between\nbad utf8: \ufffd\ufffd\ufffd( end\ndone"
+    assert job["progress"] == {"step": 2, "total_steps": 2, "fraction": 1.0, "message": "m\ufffdx"}
+    assert [a["outcome"] for a in job["attempts"]] == ["completed"]
+    worker_when(orchestrator, worker.id, lambda w: (w["status"], w["current_job_id"]) == ("idle", None))
+    assert not agent.has_line("rejected")
+    no_traceback(agent)
+
+
+def test_failed_report_with_a_nul_in_its_reason_ends_failed_not_running(orchestrator, fleet, agents, bytes_trainer):
+    worker = fleet.create_worker(labels={"pool": fleet.tag})
+    agent = agents.start(worker, extra_args=("--command", bytes_trainer))
+    agents.wait_ready(agent)
+
+    job_id = agents.submit(labels={"pool": fleet.tag}, config={"exit": 3, "last": "RuntimeError: bad<NUL>byte"})["job_id"]
+
+    job = job_in(orchestrator, job_id, "completed", "failed", "cancelled", timeout=JOB_DEADLINE_S)
+    assert (job["status"], job["exit_code"]) == ("failed", 3), job
+    assert job["last_error"] == "Training exited with code 3: RuntimeError: bad\ufffdbyte"
+    assert job["log_tail"].endswith("bad utf8: \ufffd\ufffd\ufffd( end\nRuntimeError: bad\ufffdbyte")
+    assert [(a["outcome"], a["error"]) for a in job["attempts"]] == [("failed", job["last_error"])]
+    worker_when(orchestrator, worker.id, lambda w: (w["status"], w["current_job_id"]) == ("idle", None))
+    agent.wait_for_line(f"Job {job_id} failed after")
+    assert not agent.has_line("rejected")
+    no_traceback(agent)

@@ -2,9 +2,14 @@
 
 from rest_framework import serializers
 
+from common.fields import BoundedFloat, BoundedInt, BoundedJSON, BoundedText, TrainerJSON, TrainerLog, TrainerText
+from common.inputs import GPU_COUNT_MAX, GPU_VRAM_GB_MAX, LOG_TAIL_MAX_CHARS, TRAINER_ERROR_MAX_CHARS
 from worker_agent import protocol
 
 from ..models import Worker, WorkerType
+
+WORKER_NAME_MAX_CHARS = Worker._meta.get_field("name").max_length
+ID_MAX_CHARS = 64  # worker, job and attempt ids (the longest column is 40)
 
 
 class WorkerSerializer(serializers.ModelSerializer):
@@ -46,11 +51,11 @@ class WorkerSerializer(serializers.ModelSerializer):
 
 
 class WorkerCreateSerializer(serializers.Serializer):
-    name = serializers.CharField(max_length=128)
+    name = BoundedText(max_length=WORKER_NAME_MAX_CHARS)
     worker_type = serializers.ChoiceField(
         choices=[WorkerType.EPHEMERAL, WorkerType.PERSISTENT], default=WorkerType.PERSISTENT
     )
-    labels = serializers.DictField(child=serializers.CharField(allow_blank=True, max_length=200), required=False)
+    labels = BoundedJSON(required=False, types=(dict,), help_text="Name -> value; the rules: README, Limits.")
 
 
 class WorkerCreatedSerializer(WorkerSerializer):
@@ -66,40 +71,43 @@ class WorkerCreatedSerializer(WorkerSerializer):
 
 
 class RegisterSerializer(serializers.Serializer):
-    """Both the spec's flat capability fields and the upstream agent's ``gpu_info`` are accepted."""
+    """Both the spec's flat capability fields and the upstream agent's ``gpu_info`` are accepted.
 
-    name = serializers.CharField(required=False, allow_blank=True, max_length=128)
-    worker_id = serializers.CharField(required=False, allow_null=True)
-    gpu_info = serializers.DictField(required=False, allow_null=True)
-    gpu_count = serializers.IntegerField(required=False, allow_null=True, min_value=0)
-    gpu_name = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=200)
-    gpu_vram_gb = serializers.FloatField(required=False, allow_null=True, min_value=0)
-    accelerator_type = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=32)
+    ``gpu_info``'s own fields (``count``, ``vram_gb``...) are bounded like the flat ones by
+    ``workers.services.parse_capabilities`` (code ``invalid_capabilities``)."""
+
+    name = BoundedText(required=False, allow_blank=True, max_length=WORKER_NAME_MAX_CHARS)
+    worker_id = BoundedText(required=False, allow_null=True, max_length=ID_MAX_CHARS)
+    gpu_info = BoundedJSON(required=False, allow_null=True, types=(dict,), max_bytes="MAX_GPU_INFO_BYTES")
+    gpu_count = BoundedInt(required=False, allow_null=True, min_value=0, max_value=GPU_COUNT_MAX)
+    gpu_name = BoundedText(required=False, allow_null=True, allow_blank=True, max_length=200)
+    gpu_vram_gb = BoundedFloat(required=False, allow_null=True, min_value=0, max_value=GPU_VRAM_GB_MAX)
+    accelerator_type = BoundedText(required=False, allow_null=True, allow_blank=True, max_length=32)
     persistent = serializers.BooleanField(required=False, allow_null=True)
-    current_job_id = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=64)
-    current_attempt = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=40)
-    hostname = serializers.CharField(required=False, allow_blank=True, max_length=255)
-    agent_version = serializers.CharField(required=False, allow_blank=True, max_length=64)
-    gpus = serializers.ListField(child=serializers.DictField(), required=False)
-    driver_version = serializers.CharField(required=False, allow_null=True, allow_blank=True)
-    cuda_version = serializers.CharField(required=False, allow_null=True, allow_blank=True)
+    current_job_id = BoundedText(required=False, allow_null=True, allow_blank=True, max_length=ID_MAX_CHARS)
+    current_attempt = BoundedText(required=False, allow_null=True, allow_blank=True, max_length=ID_MAX_CHARS)
+    hostname = BoundedText(required=False, allow_blank=True, max_length=255)
+    agent_version = BoundedText(required=False, allow_blank=True, max_length=64)
+    gpus = BoundedJSON(required=False, types=(list,), max_bytes="MAX_GPU_INFO_BYTES")
+    driver_version = BoundedText(required=False, allow_null=True, allow_blank=True, max_length=64)
+    cuda_version = BoundedText(required=False, allow_null=True, allow_blank=True, max_length=64)
 
 
 class HeartbeatSerializer(serializers.Serializer):
-    worker_id = serializers.CharField(required=False, allow_null=True)
-    status = serializers.CharField(required=False, allow_null=True, max_length=32)
-    current_job_id = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=64)
-    attempt = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=40)
-    progress = serializers.JSONField(required=False, allow_null=True)
-    log_tail = serializers.JSONField(required=False, allow_null=True)
-    gpu_utilization = serializers.JSONField(required=False, allow_null=True)
-    gpu_memory_used_gb = serializers.JSONField(required=False, allow_null=True)
-    gpu_memory_total_gb = serializers.JSONField(required=False, allow_null=True)
-    gpus = serializers.JSONField(required=False, allow_null=True)
-    cpu_percent = serializers.FloatField(required=False, allow_null=True)
-    memory_percent = serializers.FloatField(required=False, allow_null=True)
-    memory_used_gb = serializers.FloatField(required=False, allow_null=True)
-    load_average = serializers.JSONField(required=False, allow_null=True)
+    worker_id = BoundedText(required=False, allow_null=True, max_length=ID_MAX_CHARS)
+    status = BoundedText(required=False, allow_null=True, max_length=32)
+    current_job_id = BoundedText(required=False, allow_null=True, allow_blank=True, max_length=ID_MAX_CHARS)
+    attempt = BoundedText(required=False, allow_null=True, allow_blank=True, max_length=ID_MAX_CHARS)
+    progress = TrainerJSON(required=False, allow_null=True)
+    log_tail = TrainerLog(required=False, allow_null=True, max_length=LOG_TAIL_MAX_CHARS)
+    gpu_utilization = BoundedJSON(required=False, allow_null=True, max_bytes="MAX_GPU_INFO_BYTES")
+    gpu_memory_used_gb = BoundedJSON(required=False, allow_null=True, max_bytes="MAX_GPU_INFO_BYTES")
+    gpu_memory_total_gb = BoundedJSON(required=False, allow_null=True, max_bytes="MAX_GPU_INFO_BYTES")
+    gpus = BoundedJSON(required=False, allow_null=True, max_bytes="MAX_GPU_INFO_BYTES")
+    cpu_percent = BoundedFloat(required=False, allow_null=True, min_value=0, max_value=1e9)
+    memory_percent = BoundedFloat(required=False, allow_null=True, min_value=0, max_value=1e9)
+    memory_used_gb = BoundedFloat(required=False, allow_null=True, min_value=0, max_value=1e12)
+    load_average = BoundedJSON(required=False, allow_null=True, max_bytes="MAX_GPU_INFO_BYTES")
 
 
 # Every utilisation field of the protocol is declared (with its type) above.
@@ -107,19 +115,29 @@ assert set(protocol.HEARTBEAT_METRIC_FIELDS) <= set(HeartbeatSerializer._declare
 
 
 class JobStatusReportSerializer(serializers.Serializer):
+    """A report on a job. What the trainer produced (``error``, ``progress``, ``log_tail``) is cleaned and
+    kept, never refused; a ``failed`` report with only ``status``, ``attempt``, ``exit_code`` and a short
+    ``error`` (the agent's fallback, ``protocol.minimal_report``) is always accepted."""
+
     status = serializers.ChoiceField(choices=protocol.REPORTED_STATUSES)
-    error = serializers.CharField(required=False, allow_null=True, allow_blank=True)
-    progress = serializers.JSONField(required=False, allow_null=True)
-    attempt = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=40)
-    exit_code = serializers.IntegerField(required=False, allow_null=True)
-    log_tail = serializers.JSONField(required=False, allow_null=True)
+    error = TrainerText(required=False, allow_null=True, allow_blank=True, max_length=TRAINER_ERROR_MAX_CHARS)
+    progress = TrainerJSON(required=False, allow_null=True)
+    attempt = BoundedText(required=False, allow_null=True, allow_blank=True, max_length=ID_MAX_CHARS)
+    exit_code = BoundedInt(
+        required=False,
+        allow_null=True,
+        min_value=protocol.EXIT_CODE_MIN,
+        max_value=protocol.EXIT_CODE_MAX,
+        help_text="The trainer's exit status: a shell's (128+N for signal N), or a Windows one such as 0xC0000005.",
+    )
+    log_tail = TrainerLog(required=False, allow_null=True, max_length=LOG_TAIL_MAX_CHARS)
     journal = serializers.BooleanField(
         required=False, default=False, help_text="The outcome was read back from the agent's journal after it restarted."
     )
 
 
 class WorkerIdSerializer(serializers.Serializer):
-    worker_id = serializers.CharField(required=False, allow_null=True)
+    worker_id = BoundedText(required=False, allow_null=True, max_length=ID_MAX_CHARS)
 
 
 # --- response shapes (documentation only: the views return the services' dicts) -----------------

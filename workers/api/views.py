@@ -6,7 +6,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from audit.services import Actor
-from common.http import error_responses
+from common.http import error_responses, query_param
 from common.errors import InvalidInput, NotFound
 
 from .. import permissions, services
@@ -54,7 +54,7 @@ class AdminWorkerListView(AdminWorkerAPIView):
     )
     def get(self, request):
         workers = Worker.objects.all()
-        wanted = request.query_params.get("status")
+        wanted = query_param(request, "status")
         if wanted:
             statuses = wanted.split(",")
             unknown = set(statuses) - set(WorkerStatus.values)
@@ -67,7 +67,7 @@ class AdminWorkerListView(AdminWorkerAPIView):
         tags=["admin-workers"],
         summary="Create a worker and its token (the token is shown only in this response)",
         request=WorkerCreateSerializer,
-        responses={201: WorkerCreatedSerializer, **error_responses(400, 401, 403, 409)},
+        responses={201: WorkerCreatedSerializer, **error_responses(400, 401, 403, 409, 413)},
     )
     def post(self, request):
         serializer = WorkerCreateSerializer(data=request.data)
