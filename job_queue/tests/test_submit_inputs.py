@@ -58,14 +58,14 @@ def _refused(response, field, code="invalid"):
         ({"config_name": "c", "config": {"lr": float("inf")}}, "config", "lr: inf is not a number JSON can hold"),
     ],
 )
-def test_unstorable_text_or_numbers_in_a_submission_are_400_naming_the_field(user_client, submission, field, where):
-    body = _refused(_submit_raw(user_client, json.dumps(submission)), field)
+def test_unstorable_text_or_numbers_in_a_submission_are_400_naming_the_field(operator_client, submission, field, where):
+    body = _refused(_submit_raw(operator_client, json.dumps(submission)), field)
 
     assert any(where in message for message in body["errors"][field]), body
 
 
-def test_1e400_in_a_config_is_refused_not_stored_as_infinity(user_client):
-    body = _refused(_submit_raw(user_client, '{"config_name": "c", "config": {"lr": 1e400}}'), "config")
+def test_1e400_in_a_config_is_refused_not_stored_as_infinity(operator_client):
+    body = _refused(_submit_raw(operator_client, '{"config_name": "c", "config": {"lr": 1e400}}'), "config")
 
     assert body["errors"]["config"] == ["lr: inf is not a number JSON can hold"]
 
@@ -82,22 +82,22 @@ def test_1e400_in_a_config_is_refused_not_stored_as_infinity(user_client):
         {"gpu": ["a100"]},
     ],
 )
-def test_label_selectors_are_bounded_in_count_syntax_and_length(user_client, selectors):
-    _refused(_submit_raw(user_client, json.dumps({"config_name": "c", "worker_labels": selectors})), "worker_labels", "invalid_labels")
+def test_label_selectors_are_bounded_in_count_syntax_and_length(operator_client, selectors):
+    _refused(_submit_raw(operator_client, json.dumps({"config_name": "c", "worker_labels": selectors})), "worker_labels", "invalid_labels")
 
 
-def test_ten_thousand_globs_are_refused_at_once(user_client):
+def test_ten_thousand_globs_are_refused_at_once(operator_client):
     started = time.monotonic()
 
-    _refused(user_client.post(SUBMIT, {"config_name": "c", "worker_labels": {f"k{i}": "*a*b*c*" for i in range(10_000)}}), "worker_labels", "invalid_labels")
+    _refused(operator_client.post(SUBMIT, {"config_name": "c", "worker_labels": {f"k{i}": "*a*b*c*" for i in range(10_000)}}), "worker_labels", "invalid_labels")
 
     assert time.monotonic() - started < 1.0
 
 
-def test_selectors_within_the_limits_are_accepted(user_client):
+def test_selectors_within_the_limits_are_accepted(operator_client):
     selectors = {f"k-{i}.x/y_z": "a" * 200 for i in range(32)}
 
-    response = user_client.post(SUBMIT, {"config_name": "c", "worker_labels": {**selectors, "k-0.x/y_z": 100}})
+    response = operator_client.post(SUBMIT, {"config_name": "c", "worker_labels": {**selectors, "k-0.x/y_z": 100}})
 
     assert response.status_code == 201, response.content
     assert Job.objects.get().worker_labels == {**selectors, "k-0.x/y_z": "100"}
@@ -108,13 +108,13 @@ def test_selectors_within_the_limits_are_accepted(user_client):
 
 @pytest.mark.parametrize("field", ["gpu_count", "priority", "max_retries"])
 @pytest.mark.parametrize("value", [2**31, 2**63, 10**30, -(2**63) - 1, "1e400", 1e30])
-def test_integers_out_of_range_are_400_naming_the_field(user_client, field, value):
-    _refused(user_client.post(SUBMIT, {"config_name": "c", field: value}), field)
+def test_integers_out_of_range_are_400_naming_the_field(operator_client, field, value):
+    _refused(operator_client.post(SUBMIT, {"config_name": "c", field: value}), field)
 
 
 @pytest.mark.parametrize("num_processes", [1025, 2**31, 10**30, 1e30])
-def test_num_processes_in_the_config_keeps_to_the_gpu_cap(user_client, num_processes):
-    body = _refused(user_client.post(SUBMIT, {"config_name": "c", "config": {"--num_processes": num_processes}}), "config", "invalid_config")
+def test_num_processes_in_the_config_keeps_to_the_gpu_cap(operator_client, num_processes):
+    body = _refused(operator_client.post(SUBMIT, {"config_name": "c", "config": {"--num_processes": num_processes}}), "config", "invalid_config")
 
     assert body["detail"] == f"config --num_processes must be from 0 to 1024, got {int(num_processes)}"
 
@@ -129,8 +129,8 @@ def test_num_processes_that_is_no_integer_is_refused(num_processes):
     assert refused.value.detail.startswith("config num_processes must be an integer, got ")
 
 
-def test_num_processes_at_the_cap_is_accepted(user_client):
-    response = user_client.post(SUBMIT, {"config_name": "c", "config": {"num_processes": 1024}})
+def test_num_processes_at_the_cap_is_accepted(operator_client):
+    response = operator_client.post(SUBMIT, {"config_name": "c", "config": {"num_processes": 1024}})
 
     assert response.status_code == 201, response.content
     assert Job.objects.get().gpu_count == 1024
@@ -150,26 +150,26 @@ def test_num_processes_at_the_cap_is_accepted(user_client):
         ("limit=2&offset=1", 2),
     ],
 )
-def test_huge_limit_and_offset_are_clamped(user_client, query, count):
+def test_huge_limit_and_offset_are_clamped(operator_client, query, count):
     JobFactory.create_batch(3)
 
-    response = user_client.get(f"{LIST}?{query}")
+    response = operator_client.get(f"{LIST}?{query}")
 
     assert response.status_code == 200, response.content
     assert (response.json()["count"], len(response.json()["results"])) == (3, count)
 
 
-def test_a_limit_over_the_page_cap_returns_at_most_1000(user_client):
+def test_a_limit_over_the_page_cap_returns_at_most_1000(operator_client):
     Job.objects.bulk_create(JobFactory.build_batch(1001))
 
-    response = user_client.get(f"{LIST}?limit={2**63}")
+    response = operator_client.get(f"{LIST}?limit={2**63}")
 
     assert len(response.json()["results"]) == 1000
 
 
 @pytest.mark.parametrize("query", ["worker=%00", "worker=w%00x", "status=queued%00", "worker=" + "w" * 201])
-def test_unstorable_filters_are_400(user_client, query):
-    response = user_client.get(f"{LIST}?{query}")
+def test_unstorable_filters_are_400(operator_client, query):
+    response = operator_client.get(f"{LIST}?{query}")
 
     assert response.status_code == 400, response.content
     assert response.json()["code"] == "invalid_filter"

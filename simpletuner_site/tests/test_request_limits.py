@@ -50,8 +50,8 @@ def test_deep_json_before_authentication_is_refused_as_unauthenticated_not_a_cra
     response = _post(api_client, REGISTER, '{"name": "x", "gpu_info": ' + nested(depth) + "}")
 
     _error(response, 401, "not_authenticated")
-    (refused,) = audit_rows(actions.WORKER_REGISTRATION_FAILED)
-    assert refused.actor_name == ""  # the body was not read: too deep
+    (refused,) = audit_rows(actions.AUTH_FAILED)  # the refused token, audited as a failed authentication
+    assert refused.details["path"] == REGISTER
 
 
 @pytest.mark.parametrize("depth", [33, 1_000, 100_000])
@@ -64,19 +64,19 @@ def test_deep_json_from_a_worker_is_400(worker_client, depth):
     assert worker.status == WorkerStatus.CONNECTING
 
 
-def test_json_at_the_depth_limit_is_accepted(user_client):
+def test_json_at_the_depth_limit_is_accepted(operator_client):
     deep = json.loads(nested(28, '{"x": 1}'))  # the body, "config", its object, 28 lists, the leaf object: 32 levels
 
-    response = user_client.post(SUBMIT, {"config_name": "c", "config": {"deep": deep}})
+    response = operator_client.post(SUBMIT, {"config_name": "c", "config": {"deep": deep}})
 
     assert response.status_code == 201, response.content
 
 
-def test_the_depth_limit_is_a_setting(settings, user_client):
+def test_the_depth_limit_is_a_setting(settings, operator_client):
     settings.SIMPLETUNER = {**settings.SIMPLETUNER, "MAX_JSON_DEPTH": 8}
 
-    _error(_post(user_client, SUBMIT, '{"config_name": "c", "config": {"a": ' + nested(7) + "}}"), 400, "json_too_deep")
-    assert user_client.post(SUBMIT, {"config_name": "c", "config": {"a": json.loads(nested(6))}}).status_code == 201
+    _error(_post(operator_client, SUBMIT, '{"config_name": "c", "config": {"a": ' + nested(7) + "}}"), 400, "json_too_deep")
+    assert operator_client.post(SUBMIT, {"config_name": "c", "config": {"a": json.loads(nested(6))}}).status_code == 201
 
 
 # --- body size -------------------------------------------------------------------------------------------
@@ -92,26 +92,26 @@ def test_a_2mb_gpu_info_is_413_and_nothing_is_stored(worker_client):
     assert (worker.status, worker.gpu_info) == (WorkerStatus.CONNECTING, {})
 
 
-def test_the_body_limit_is_a_setting_and_counts_bytes(settings, user_client):
+def test_the_body_limit_is_a_setting_and_counts_bytes(settings, operator_client):
     settings.SIMPLETUNER = {**settings.SIMPLETUNER, "MAX_REQUEST_BYTES": 65536}
     settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 65536  # as settings.py sets it from SIMPLETUNER_MAX_REQUEST_BYTES
     text = json.dumps({"config_name": "c", "config": {"blob": "é" * 40_000}})  # 80,000 bytes in UTF-8
 
-    _error(_post(user_client, SUBMIT, text), 413, "request_too_large")
+    _error(_post(operator_client, SUBMIT, text), 413, "request_too_large")
     assert Job.objects.count() == 0
 
 
-def test_the_parser_holds_the_limit_when_djangos_check_is_off(settings, user_client):
+def test_the_parser_holds_the_limit_when_djangos_check_is_off(settings, operator_client):
     settings.SIMPLETUNER = {**settings.SIMPLETUNER, "MAX_REQUEST_BYTES": 65536}
     settings.DATA_UPLOAD_MAX_MEMORY_SIZE = None
 
-    body = _error(_post(user_client, SUBMIT, json.dumps({"config_name": "c", "config": {"blob": "x" * 70_000}})), 413, "request_too_large")
+    body = _error(_post(operator_client, SUBMIT, json.dumps({"config_name": "c", "config": {"blob": "x" * 70_000}})), 413, "request_too_large")
 
     assert body["detail"] == "the request body is over 65536 bytes; at most 65536 are accepted"
 
 
-def test_a_declared_length_over_the_limit_is_refused_before_reading(user_client):
-    response = _post(user_client, SUBMIT, '{"config_name": "c"}', CONTENT_LENGTH=str(10**12))
+def test_a_declared_length_over_the_limit_is_refused_before_reading(operator_client):
+    response = _post(operator_client, SUBMIT, '{"config_name": "c"}', CONTENT_LENGTH=str(10**12))
 
     _error(response, 413, "request_too_large")
 
@@ -119,14 +119,14 @@ def test_a_declared_length_over_the_limit_is_refused_before_reading(user_client)
 # --- what a body may be ------------------------------------------------------------------------------------
 
 
-def test_a_body_that_is_not_utf8_is_400(user_client):
-    body = _error(_post(user_client, SUBMIT, b'{"config_name": "\xff\xfe"}'), 400, "parse_error")
+def test_a_body_that_is_not_utf8_is_400(operator_client):
+    body = _error(_post(operator_client, SUBMIT, b'{"config_name": "\xff\xfe"}'), 400, "parse_error")
 
     assert "not valid UTF-8" in body["detail"]
 
 
-def test_a_form_encoded_body_is_415(user_client):
-    response = user_client.post(SUBMIT, data="config_name=c", content_type="application/x-www-form-urlencoded")
+def test_a_form_encoded_body_is_415(operator_client):
+    response = operator_client.post(SUBMIT, data="config_name=c", content_type="application/x-www-form-urlencoded")
 
     _error(response, 415, "unsupported_media_type")
 
@@ -191,8 +191,8 @@ def test_django_level_errors_under_api_are_json(settings, client):
         ("delete", "/api/queue/submit", 405, "method_not_allowed"),
     ],
 )
-def test_unknown_paths_and_methods_under_api_are_json(user_client, method, path, status, code):
-    _error(getattr(user_client, method)(path), status, code)
+def test_unknown_paths_and_methods_under_api_are_json(operator_client, method, path, status, code):
+    _error(getattr(operator_client, method)(path), status, code)
 
 
 def test_errors_outside_api_stay_html(client, settings):
