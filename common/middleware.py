@@ -1,9 +1,11 @@
 """Middleware shared by every app: what every answer under ``/api/`` carries (no caching; errors as JSON)."""
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
+from django.http import HttpResponseBadRequest
 from rest_framework.response import Response
 
 from .http import API_PREFIX, error_code, error_response
+from .inputs import text_problem
 
 
 class _ResponseMiddleware:
@@ -71,3 +73,35 @@ class ApiErrorsAsJsonMiddleware(_ResponseMiddleware):
             if header in response:
                 replacement[header] = response[header]
         return replacement
+
+
+class AdminQueryTextMiddleware:
+    """Refuse (400) an admin page whose query string holds text no database column can: a NUL or an
+    unpaired surrogate in a search (``?q=``) or list filter would otherwise reach PostgreSQL and 500."""
+
+    sync_capable = True
+    async_capable = True
+    PREFIX = "/admin/"
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+        if iscoroutinefunction(get_response):
+            markcoroutinefunction(self)
+
+    def refusal(self, request):
+        if not request.path.startswith(self.PREFIX):
+            return None
+        for key, values in request.GET.lists():
+            for text in (key, *values):
+                problem = text_problem(text)
+                if problem:
+                    return HttpResponseBadRequest(f"Bad request: the parameter {key[:50]!r} {problem}.", content_type="text/plain")
+        return None
+
+    def __call__(self, request):
+        if iscoroutinefunction(self):
+            return self._acall(request)
+        return self.refusal(request) or self.get_response(request)
+
+    async def _acall(self, request):
+        return self.refusal(request) or await self.get_response(request)

@@ -156,6 +156,7 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "common.middleware.APINoStoreMiddleware",
+    "common.middleware.AdminQueryTextMiddleware",
     "common.middleware.ApiErrorsAsJsonMiddleware",  # sees every response from the layers below (NoStore marks its own)
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",

@@ -258,3 +258,25 @@ def test_every_string_and_integer_a_client_sends_declares_its_bounds(operator_cl
             if kind in ("integer", "number") and not {"minimum", "maximum"} <= set(spec):
                 unbounded.append(f"{name}.{field}: {kind} without minimum and maximum")
     assert unbounded == []
+
+
+# --- the admin's query strings ---------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("path", "query"),
+    [
+        ("/admin/workers/worker/", "q=evil%00"),
+        ("/admin/workers/worker/", "status__exact=idle%00"),
+        ("/admin/queue/job/", "q=%00"),
+        ("/admin/queue/job/", "worker__id__exact=w%00"),
+        ("/admin/audit/auditevent/", "q=%00"),
+    ],
+)
+def test_admin_searches_and_filters_with_unstorable_text_are_400_not_a_crash(staff_client, path, query):
+    client = staff_client("workers.view_worker", "queue.view_job", "audit.view_auditevent")
+    assert client.get(path).status_code == 200
+    response = client.get(f"{path}?{query}")
+    assert response.status_code == 400
+    assert b"Bad request" in response.content
