@@ -239,7 +239,7 @@ def jobs_release(*, jobs, actor, reason, outcome=AttemptOutcome.LOST, acknowledg
     why = lambda job: reasons[job.pk]  # noqa: E731
     final = lambda job: f"{why(job)}; retries exhausted ({job.retry_count} of {job.max_retries} used)"  # noqa: E731
     unacked = [] if acknowledged else [j for j in jobs if j.status == JobStatus.DISPATCHED]
-    started = [j for j in jobs if j not in unacked]
+    started = jobs if acknowledged else [j for j in jobs if j.status != JobStatus.DISPATCHED]
     retry = [j for j in started if j.retry_count < j.max_retries]
     exhausted = [j for j in started if j.retry_count >= j.max_retries]
     _attempts_end(
