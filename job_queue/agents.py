@@ -12,7 +12,7 @@ from audit.services import audit_record, audited_atomic
 from common.errors import StaleReport
 from worker_agent import protocol
 from workers.models import Worker, WorkerStatus
-from workers.services import lock_worker, parse_capabilities
+from workers.services import lock_worker, parse_capabilities, worker_stream_opened_fields
 from workers.transitions import worker_resting_status, workers_transition
 
 from .dispatch import (
@@ -186,13 +186,15 @@ def worker_disconnect(*, worker_id, actor, reason="agent disconnected"):
 
 
 def worker_stream_opened(*, worker_id, stream_id, replaying):
-    """Mark the worker's stream open; hand it work: re-send an unacknowledged dispatch, or dispatch anew.
+    """Mark the worker's stream open (beside any other open one); hand it work: re-send an unacknowledged
+    dispatch, or dispatch anew.
 
     ``replaying`` is True when the agent resumes with Last-Event-ID (the library replays what it missed).
     """
     with audited_atomic():
         worker = lock_worker(worker_id)
-        Worker.objects.filter(pk=worker.pk).update(stream_id=stream_id, stream_opened_at=timezone.now())
+        fields = worker_stream_opened_fields(worker, stream_id=stream_id, now=timezone.now())
+        Worker.objects.filter(pk=worker.pk).update(**fields)
         if worker.current_job_id and not replaying:
             job_redeliver_on_commit(job_id=worker.current_job_id, worker_id=worker.pk)
         if worker.status == WorkerStatus.IDLE:

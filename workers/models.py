@@ -63,8 +63,12 @@ class Worker(models.Model):
         "queue.Job", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
     drain_requested_at = models.DateTimeField(null=True, blank=True)
-    # The SSE stream currently serving this worker (any process); null when none is open.
+    # The SSE stream currently serving this worker (any process): the newest of ``open_streams``;
+    # null when none is open.
     stream_id = models.CharField(max_length=40, null=True, blank=True)
+    # Every stream open for this worker, oldest first: [{"id": stream id, "process": server process id}].
+    # A second stream (a curl beside the agent) never hides the first: when one closes, the newest left serves.
+    open_streams = models.JSONField(default=list, blank=True)
     stream_opened_at = models.DateTimeField(null=True, blank=True)
 
     last_heartbeat = models.DateTimeField(null=True, blank=True, db_index=True)

@@ -7,6 +7,7 @@ import logging
 import math
 from datetime import timedelta
 
+from django.db import transaction
 from django.utils import timezone
 
 from audit import actions
@@ -29,6 +30,7 @@ from .models import (
     hash_token,
     token_display_prefix,
 )
+from .streams import live_server_processes, newest_stream_id, server_process_id, streams_with, streams_without
 from .transitions import workers_transition
 
 logger = logging.getLogger(__name__)
@@ -340,9 +342,28 @@ def worker_register_failed(*, reason, token_prefix, ip, name=""):
         )
 
 
+def worker_stream_opened_fields(worker, *, stream_id, now):
+    """Return the fields that record a new stream ``stream_id`` for the locked ``worker`` (its newest,
+    so its current one); the worker's other open streams stay listed, those of dead processes go."""
+    entries = streams_with(
+        worker.open_streams,
+        stream_id=stream_id,
+        process=server_process_id(),
+        live=live_server_processes(now=now, interval=presence_interval()),
+    )
+    return {"stream_id": stream_id, "stream_opened_at": now, "open_streams": entries}
+
+
 def worker_stream_closed(*, worker_id, stream_id):
-    """Forget the stream ``stream_id`` if it is still the worker's current one."""
-    Worker.objects.filter(pk=worker_id, stream_id=stream_id).update(stream_id=None)
+    """Forget the stream ``stream_id``: the worker's current stream becomes the newest one still open
+    (None when none is), so closing a second stream never strands a worker whose first is open."""
+    with transaction.atomic():
+        worker = Worker.objects.select_for_update().filter(pk=worker_id).first()
+        if worker is None:
+            return
+        remaining = streams_without(worker.open_streams, stream_id)
+        current = newest_stream_id(remaining) or (None if worker.stream_id == stream_id else worker.stream_id)
+        Worker.objects.filter(pk=worker_id).update(open_streams=remaining, stream_id=current)
 
 
 def heartbeat_interval():

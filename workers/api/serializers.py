@@ -16,6 +16,7 @@ class WorkerSerializer(serializers.ModelSerializer):
     current_job_id = serializers.CharField(read_only=True, allow_null=True)
     draining = serializers.SerializerMethodField()
     stream_connected = serializers.SerializerMethodField()
+    open_streams = serializers.SerializerMethodField(help_text="How many SSE streams are open for this worker.")
 
     class Meta:
         model = Worker
@@ -36,6 +37,7 @@ class WorkerSerializer(serializers.ModelSerializer):
             "current_job_id",
             "draining",
             "stream_connected",
+            "open_streams",
             "last_heartbeat",
             "connected_at",
             "status_changed_at",
@@ -48,6 +50,9 @@ class WorkerSerializer(serializers.ModelSerializer):
 
     def get_stream_connected(self, worker) -> bool:
         return worker.stream_id is not None
+
+    def get_open_streams(self, worker) -> int:
+        return max(len(worker.open_streams or ()), int(worker.stream_id is not None))
 
 
 class WorkerCreateSerializer(serializers.Serializer):
