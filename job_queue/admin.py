@@ -31,7 +31,7 @@ from common.admin_kit import (
 from common.errors import InvalidInput, ServiceError
 from workers.onboarding import parse_label_pairs
 
-from . import permissions
+from . import permissions, worker_admin  # noqa: F401 (worker_admin registers the Workers page with its rotate action)
 from .api.serializers import JobSubmitSerializer
 from .models import JOB_RETRYABLE, JOB_TERMINAL, Job, JobAttempt, JobStatus, JobTarget
 from .selectors import job_waiting_reason

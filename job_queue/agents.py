@@ -27,7 +27,7 @@ from .models import JOB_ACTIVE, JobStatus
 from .reports import job_record_progress
 from .selectors import jobs_waiting_for
 from .services import lock_job
-from .transitions import jobs_acknowledge, jobs_release
+from .transitions import jobs_acknowledge, jobs_release, operator_interruption
 
 
 def worker_register(*, worker_id, data, actor):
@@ -216,10 +216,12 @@ def _names_current_attempt(job, job_id, attempt):
 def _release_held_job(*, job, worker, actor, reason):
     """Take a locked active ``job`` back from ``worker``, which no longer runs it (the caller updates the worker).
 
-    A cancelled job only loses its worker (the caller clears ``current_job``).
+    A cancelled job only loses its worker (the caller clears ``current_job``); a job lost while its
+    worker drains spends no retry (``operator_interruption``).
     """
     if job.worker_id == worker.pk and job.status in JOB_ACTIVE:
-        redispatch_on_commit(jobs_release(jobs=[job], actor=actor, reason=reason))
+        released = jobs_release(jobs=[job], actor=actor, reason=reason, interrupted_by=operator_interruption(worker))
+        redispatch_on_commit(released)
 
 
 def worker_ask_for_work(*, worker_id):

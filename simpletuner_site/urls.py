@@ -12,6 +12,7 @@ urlpatterns = [
     path("", include("realtime.urls")),
     path("admin/", admin.site.urls),
     path("", include("job_queue.api.agent_urls")),
+    path("api/admin/workers", include("job_queue.api.fleet_urls")),
     path("api/admin/workers", include("workers.api.admin_urls")),
     path("api/queue/", include("job_queue.api.urls")),
     path("api/audit/", include("audit.api.urls")),

@@ -344,8 +344,9 @@ def admin_request(client, label, action, target):
         return client.post(reverse(f"admin:{app_label}_{model_name}_delete", args=[quote(target.pk)]), {"post": "yes"})
     if action.startswith("button:"):
         button = action.split(":", 1)[1]
-        return client.post(reverse(f"admin:{app_label}_{model_name}_{button}", args=[quote(target.pk)]))
-    return client.post(changelist, {"action": action, "_selected_action": [target.pk]})
+        return client.post(reverse(f"admin:{app_label}_{model_name}_{button}", args=[quote(target.pk)]), {"post": "yes"})
+    # Confirmed, as the "Yes" of the action's confirmation page posts it (without it nothing changes).
+    return client.post(changelist, {"action": action, "_selected_action": [target.pk], "post": "yes"})
 
 
 def admin_state():

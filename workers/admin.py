@@ -1,12 +1,14 @@
-"""The Workers page: the fleet with live statuses; add a worker (token shown once), drain, rotate, delete.
+"""The Workers page: the fleet with live statuses; add a worker (token shown once), drain, delete.
 
 Nothing here writes a worker: every action calls the same service as the API (workers.services),
 so the audit rows and the events an agent receives are identical whichever way an operator acts.
+Each action first shows what it will change and asks for confirmation. Rotating a token reaches the
+worker's job too, so that action is added by ``job_queue.worker_admin``, which registers this page.
 """
 
 from django import forms
 from django.contrib import admin, messages
-from django.contrib.admin.utils import unquote
+from django.contrib.admin.utils import quote, unquote
 from django.core.exceptions import PermissionDenied
 from django.db.models.fields.json import KeyTransform
 from django.http import Http404
@@ -24,6 +26,9 @@ from common.admin_kit import (
     OperatorPermissionsMixin,
     admin_link,
     ago_html,
+    changelist_url,
+    confirmation_page,
+    confirmed,
     form_page,
     pretty_json_html,
     run_service_on_each,
@@ -40,7 +45,6 @@ from .services import (
     worker_delete,
     worker_delete_refusal,
     worker_drain,
-    worker_rotate_token,
 )
 
 LABEL_CHOICES_MAX = 200
@@ -99,13 +103,12 @@ class WorkerAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMi
     search_fields = ["name", "=id", "hostname", "gpu_name"]
     list_select_related = ["current_job"]
     list_per_page = 100
-    actions = ["drain_workers", "rotate_token", "delete_workers"]
-    object_buttons = ("drain", "rotate")
+    actions = ["drain_workers", "delete_workers"]
+    object_buttons = ("drain",)
     operator_permissions = {
         "view": permissions.VIEW_WORKERS,
         "add": permissions.CREATE_WORKERS,
         "drain": permissions.DRAIN_WORKERS,
-        "rotate": permissions.ROTATE_WORKER_TOKENS,
         "delete": permissions.DELETE_WORKERS,
     }
     change_form_template = "admin/workers/worker/change_form.html"
@@ -126,9 +129,6 @@ class WorkerAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMi
 
     def has_drain_permission(self, request):
         return self.may(request, "drain")
-
-    def has_rotate_permission(self, request):
-        return self.may(request, "rotate")
 
     def get_actions(self, request):
         actions = super().get_actions(request)
@@ -238,35 +238,66 @@ class WorkerAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMi
         response["Cache-Control"] = "no-store"  # the token must not come back from a cache or history
         return response
 
-    # --- actions (list) and buttons (detail page) -------------------------------------------------
+    # --- actions (list) and buttons (detail page): each asks for confirmation first ---------------
 
     @admin.action(description="Drain selected workers (finish the current job, take no new one)", permissions=["drain"])
     def drain_workers(self, request, queryset):
+        workers = list(queryset.select_related("current_job"))
+        if not confirmed(request):
+            return self._confirm_drain(request, workers, action="drain_workers", back_url=changelist_url(self))
         run_service_on_each(
-            self, request, queryset, lambda w: worker_drain(worker_id=w.pk, actor=Actor.for_request(request)), done="Draining"
+            self, request, workers, lambda w: worker_drain(worker_id=w.pk, actor=Actor.for_request(request)), done="Draining"
         )
-
-    @admin.action(description="Rotate the token of the selected worker (shown once)", permissions=["rotate"])
-    def rotate_token(self, request, queryset):
-        workers = list(queryset[:2])
-        if len(workers) != 1:
-            self.message_user(request, "Select exactly one worker to rotate its token.", messages.WARNING)
-            return None
-        return self._rotate(request, workers[0])
+        return None
 
     @admin.action(description="Delete selected workers (offline ones only)", permissions=["delete"])
     def delete_workers(self, request, queryset):
+        workers = list(queryset)
+        if not confirmed(request):
+            rows, refused = [], []
+            for worker in workers:
+                refusal = worker_delete_refusal(worker)
+                if refusal:
+                    refused.append((str(worker), refusal))
+                else:
+                    rows.append((str(worker), delete_changes(worker)))
+            return confirmation_page(
+                self,
+                request,
+                title="Delete workers",
+                question="Delete these workers? Only offline (or never connected) workers can be deleted.",
+                rows=rows,
+                refused=refused,
+                confirm_label="Yes, delete them",
+                back_url=changelist_url(self),
+                action="delete_workers",
+                objects=[w for w in workers if not worker_delete_refusal(w)],
+            )
         run_service_on_each(
-            self, request, queryset, lambda w: worker_delete(worker_id=w.pk, actor=Actor.for_request(request)), done="Deleted"
+            self, request, workers, lambda w: worker_delete(worker_id=w.pk, actor=Actor.for_request(request)), done="Deleted"
         )
+        return None
 
-    def _rotate(self, request, worker):
-        try:
-            token = worker_rotate_token(worker_id=worker.pk, actor=Actor.for_request(request))
-        except ServiceError as exc:
-            self.message_user(request, f"Refused: {exc.detail}", messages.ERROR)
-            return None
-        return self._token_page(request, worker, token, "has a new token")
+    def _confirm_drain(self, request, workers, *, action=None, back_url):
+        rows, refused = [], []
+        for worker in workers:
+            changes = drain_changes(worker)
+            if changes:
+                rows.append((str(worker), changes))
+            else:
+                refused.append((str(worker), "already draining: nothing changes"))
+        return confirmation_page(
+            self,
+            request,
+            title="Drain workers" if action else f"Drain {workers[0].name}",
+            question="Drain? A draining worker finishes its current job and takes no new one, until it is put back in service.",
+            rows=rows,
+            refused=refused,
+            confirm_label="Yes, drain",
+            back_url=back_url,
+            action=action,
+            objects=workers,
+        )
 
     def _worker_or_404(self, request, worker_id):
         worker = self.get_object(request, worker_id)
@@ -276,14 +307,12 @@ class WorkerAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMi
 
     def drain_view(self, request, worker_id):
         worker = self._worker_or_404(request, worker_id)
+        if not confirmed(request):
+            return self._confirm_drain(request, [worker], back_url=reverse("admin:workers_worker_change", args=[quote(worker.pk)]))
         run_service_on_each(
             self, request, [worker], lambda w: worker_drain(worker_id=w.pk, actor=Actor.for_request(request)), done="Draining"
         )
         return self.change_page(worker.pk)
-
-    def rotate_view(self, request, worker_id):
-        worker = self._worker_or_404(request, worker_id)
-        return self._rotate(request, worker) or self.change_page(worker.pk)
 
     def change_view(self, request, object_id, form_url="", extra_context=None):
         buttons = {f"can_{action}": self.may(request, action) for action in ("drain", "rotate", "delete")}
@@ -351,3 +380,26 @@ class TokenAdmin(OperatorPermissionsMixin, admin.ModelAdmin):
             )
         else:
             self.message_user(request, "Nothing to revoke: those tokens were revoked already.", messages.INFO)
+
+
+def drain_changes(worker):
+    """Return what draining ``worker`` changes, for its confirmation; empty when it drains already."""
+    if worker.is_draining:
+        return []
+    job = worker.current_job
+    changes = [f"status {worker.status} → draining" if worker.status != WorkerStatus.OFFLINE else "it comes back draining"]
+    if job is not None:
+        changes.append(f"it finishes its current job {job.pk} ({job.config_name}), then takes no new one")
+    else:
+        changes.append("it takes no new job")
+    changes.append("its agent is sent a drain event (an ephemeral agent then leaves)")
+    return changes
+
+
+def delete_changes(worker):
+    """Return what deleting ``worker`` changes, for its confirmation."""
+    tokens = worker.tokens.count()
+    return [
+        f"the worker and its {tokens} token(s) are deleted",
+        "its jobs, their attempts and the audit trail are kept (they keep its name)",
+    ]

@@ -200,3 +200,6 @@ class WorkerTokenSerializer(serializers.Serializer):
     worker_id = serializers.CharField()
     name = serializers.CharField()
     token = serializers.CharField(help_text="The new token; shown only this once. The old one stops working.")
+    requeued_job = serializers.CharField(
+        allow_null=True, help_text="The job the worker was running (force): back on the queue, no retry spent."
+    )

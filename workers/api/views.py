@@ -16,7 +16,6 @@ from .serializers import (
     WorkerCreateSerializer,
     WorkerListSerializer,
     WorkerSerializer,
-    WorkerTokenSerializer,
 )
 
 STATUS_FILTER = OpenApiParameter(
@@ -109,18 +108,3 @@ class AdminWorkerDrainView(AdminWorkerAPIView):
     def post(self, request, worker_id):
         worker = services.worker_drain(worker_id=worker_id, actor=self.actor)
         return Response(WorkerSerializer(worker).data)
-
-
-class AdminWorkerTokenView(AdminWorkerAPIView):
-    operator_permissions = {"POST": permissions.ROTATE_WORKER_TOKENS}
-
-    @extend_schema(
-        tags=["admin-workers"],
-        summary="Rotate a worker's token: the old one is revoked and its stream closed",
-        request=None,
-        responses={200: WorkerTokenSerializer, **error_responses(401, 403, 404, 409)},
-    )
-    def post(self, request, worker_id):
-        token = services.worker_rotate_token(worker_id=worker_id, actor=self.actor)
-        worker = get_worker_or_404(worker_id)
-        return Response({"worker_id": worker.pk, "name": worker.name, "token": token})

@@ -140,7 +140,7 @@ def test_links_reach_objects_whose_id_looks_like_an_admin_escape(admin_client):
     # The admin escapes "_" in URLs as "_5F"; an unescaped id "w_22..." reads back as 'w"...'.
     worker = WorkerFactory(id="w_22aabbccddee", name="escaped")
     job = job_on_worker(worker, id="j_40aabbccddee0011", config_name="flux-lora")
-    response = admin_client.post(admin_url(worker, "drain"), follow=True)
+    response = admin_client.post(admin_url(worker, "drain"), {"post": "yes"}, follow=True)
 
     assert response.status_code == 200
     assert response.context["original"] == worker
@@ -297,7 +297,7 @@ def test_drain_action_drains_each_selected_worker(admin_client, commit):
     job = job_on_worker(busy)
 
     with commit():
-        response = post_action(admin_client, LIST, "drain_workers", [idle, busy])
+        response = post_action(admin_client, LIST, "drain_workers", [idle, busy], post="yes")
 
     assert response.status_code == 302
     assert admin_messages(response) == ["Draining: a-idle, b-busy"]
@@ -314,7 +314,7 @@ def test_drain_button_on_the_worker_page(admin_client, commit):
     worker = WorkerFactory(name="gpu-box-1")
 
     with commit():
-        response = admin_client.post(admin_url(worker, "drain"))
+        response = admin_client.post(admin_url(worker, "drain"), {"post": "yes"})
 
     assert (response.status_code, response["Location"]) == (302, admin_url(worker))
     assert admin_messages(response) == ["Draining: gpu-box-1"]
@@ -338,11 +338,11 @@ def test_drain_and_rotate_urls_refuse_get(admin_client):
 
 
 def _rotate_by_action(client, worker):
-    return post_action(client, LIST, "rotate_token", [worker])
+    return post_action(client, LIST, "rotate_token", [worker], post="yes")
 
 
 def _rotate_by_button(client, worker):
-    return client.post(admin_url(worker, "rotate"))
+    return client.post(admin_url(worker, "rotate"), {"post": "yes"})
 
 
 @pytest.mark.parametrize("rotate", [_rotate_by_action, _rotate_by_button])
@@ -431,7 +431,7 @@ def test_delete_action_deletes_offline_workers_and_refuses_each_online_one(admin
     job_on_worker(busy)
 
     with commit():
-        response = post_action(admin_client, LIST, "delete_workers", [*gone, idle, busy])
+        response = post_action(admin_client, LIST, "delete_workers", [*gone, idle, busy], post="yes")
 
     assert response.status_code == 302
     assert sorted(admin_messages(response)) == sorted(
