@@ -1,17 +1,19 @@
-"""Operators' actions on a worker that reach its job: rotating a busy worker's token.
+"""Operators' actions on a worker that reach its job or the queue: rotating a busy worker's token, putting
+a drained worker back in service, editing its labels (both offer it queued jobs again).
 
 They live above both apps, like ``job_queue.agents``: each locks the worker, then its job, and changes
 them only through ``workers.transitions`` and ``job_queue.transitions``.
 """
 
-from audit.services import audited_atomic
+from audit import actions
+from audit.services import audit_record, audited_atomic
 from common.errors import Conflict
 from workers import services as worker_services
 from workers.models import WORKER_TRANSITIONS, Worker, WorkerStatus
-from workers.services import lock_worker
-from workers.transitions import workers_transition
+from workers.services import clean_worker_labels, lock_worker
+from workers.transitions import worker_resting_status, workers_transition
 
-from .dispatch import redispatch_on_commit
+from .dispatch import dispatch_on_commit, redispatch_on_commit
 from .models import JOB_ACTIVE
 from .services import lock_job
 from .transitions import jobs_release
@@ -62,3 +64,60 @@ def worker_rotate_token(*, worker_id, actor, force=False, confirmed_job=None):
             redispatch_on_commit(released)
         plaintext = worker_services.worker_rotate_token(worker_id=worker.pk, actor=actor)
     return plaintext, job.pk if job is not None else None
+
+
+def worker_undrain(*, worker_id, actor):
+    """Put a drained worker back in service: it takes jobs again (queued ones are offered to it at once).
+
+    Idempotent: a worker not draining is returned unchanged, with no audit row. An offline worker comes
+    back in service when its agent returns. Return the worker.
+    """
+    with audited_atomic():
+        worker = lock_worker(worker_id)
+        if worker.drain_requested_at is None:
+            return worker
+        Worker.objects.filter(pk=worker.pk).update(drain_requested_at=None)
+        worker.drain_requested_at = None
+        audit_record(
+            actor=actor,
+            action=actions.WORKER_UNDRAINED,
+            target_type="worker",
+            target_id=worker.pk,
+            details={"status": worker.status, "current_job": worker.current_job_id},
+        )
+        if worker.status == WorkerStatus.DRAINING:
+            workers_transition(
+                workers=[worker],
+                to=worker_resting_status(worker, busy=worker.current_job_id is not None),
+                actor=actor,
+                reason="put back in service",
+            )
+        if worker.status == WorkerStatus.IDLE:
+            dispatch_on_commit(worker_id=worker.pk)
+    return worker
+
+
+def worker_set_labels(*, worker_id, labels, actor):
+    """Replace the worker's labels (by the label rules, else InvalidInput ``invalid_labels``); return the worker.
+
+    Queued jobs are matched again: an idle worker is offered the queue at once, and every queued job's
+    waiting reason reads the new labels. Audited with both label sets; no change writes nothing.
+    """
+    labels = clean_worker_labels(labels)
+    with audited_atomic():
+        worker = lock_worker(worker_id)
+        before = dict(worker.labels or {})
+        if before == labels:
+            return worker
+        Worker.objects.filter(pk=worker.pk).update(labels=labels)
+        worker.labels = labels
+        audit_record(
+            actor=actor,
+            action=actions.WORKER_LABELS_CHANGED,
+            target_type="worker",
+            target_id=worker.pk,
+            details={"from": before, "to": labels},
+        )
+        if worker.status == WorkerStatus.IDLE:
+            dispatch_on_commit(worker_id=worker.pk)
+    return worker

@@ -172,6 +172,8 @@ class SessionMixin:
             self.stream.go()  # (a registration while the stream is up, after a given-up dispatch, keeps it)
         if result.get("draining"):
             self.start_drain("this worker is draining")
+        elif result.get("draining") is False and self.draining:
+            self.end_drain()
         elif self.current_job_id() is None and first:
             logger.info("Waiting for jobs")
         if acknowledged and self.pending_ack is acknowledged and self.exit_code is None:
@@ -235,6 +237,8 @@ class SessionMixin:
         self.unreachable_since = None
         if result.get("draining"):
             self.start_drain("this worker is draining")
+        elif result.get("draining") is False and self.draining:
+            self.end_drain()
         if ack is not None and self.pending_ack is ack and self.exit_code is None:
             held = result.get("current_job_id")
             # A server that says which attempt it holds acknowledged only that one (an older one says nothing).

@@ -31,8 +31,13 @@ WORKER_ONLINE = frozenset({WorkerStatus.IDLE, WorkerStatus.BUSY, WorkerStatus.DR
 # Allowed transitions: target -> statuses it may be entered from. Self-transitions are not listed;
 # services treat "already there" explicitly where it is legal (e.g. re-registration of an idle worker).
 WORKER_TRANSITIONS = {
-    WorkerStatus.IDLE: frozenset({WorkerStatus.CONNECTING, WorkerStatus.OFFLINE, WorkerStatus.BUSY, WorkerStatus.IDLE}),
-    WorkerStatus.BUSY: frozenset({WorkerStatus.CONNECTING, WorkerStatus.OFFLINE, WorkerStatus.IDLE, WorkerStatus.BUSY}),
+    # From draining only when an operator puts the worker back in service (undrain).
+    WorkerStatus.IDLE: frozenset(
+        {WorkerStatus.CONNECTING, WorkerStatus.OFFLINE, WorkerStatus.BUSY, WorkerStatus.IDLE, WorkerStatus.DRAINING}
+    ),
+    WorkerStatus.BUSY: frozenset(
+        {WorkerStatus.CONNECTING, WorkerStatus.OFFLINE, WorkerStatus.IDLE, WorkerStatus.BUSY, WorkerStatus.DRAINING}
+    ),
     WorkerStatus.DRAINING: frozenset(
         {WorkerStatus.CONNECTING, WorkerStatus.OFFLINE, WorkerStatus.IDLE, WorkerStatus.BUSY, WorkerStatus.DRAINING}
     ),

@@ -126,7 +126,8 @@ def lock_worker(worker_id):
 # --- operator actions -----------------------------------------------------------------------------
 
 
-def _clean_labels(labels):
+def clean_worker_labels(labels):
+    """Return a worker's labels by the label rules; raise InvalidInput (``invalid_labels``)."""
     try:
         return clean_labels(labels)
     except ValueError as exc:
@@ -149,7 +150,7 @@ def worker_create(*, name, worker_type=WorkerType.PERSISTENT, labels=None, actor
     name = _clean_name(name)
     if worker_type not in WorkerType.values:
         raise InvalidInput(f"worker_type must be one of {', '.join(WorkerType.values)}", code="invalid_worker_type")
-    labels = _clean_labels(labels)
+    labels = clean_worker_labels(labels)
     with audited_atomic():
         if Worker.objects.filter(name=name).exists():
             raise Conflict(f"a worker named {name!r} already exists", code="name_taken")

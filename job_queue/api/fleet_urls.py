@@ -6,4 +6,6 @@ from . import fleet_views
 
 urlpatterns = [
     re_path(r"^/(?P<worker_id>[\w-]+)/token/?$", fleet_views.AdminWorkerTokenView.as_view(), name="admin-worker-token"),
+    re_path(r"^/(?P<worker_id>[\w-]+)/undrain/?$", fleet_views.AdminWorkerUndrainView.as_view(), name="admin-worker-undrain"),
+    re_path(r"^/(?P<worker_id>[\w-]+)/labels/?$", fleet_views.AdminWorkerLabelsView.as_view(), name="admin-worker-labels"),
 ]

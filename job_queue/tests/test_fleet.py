@@ -10,12 +10,13 @@ from django.utils import timezone
 
 from audit import actions
 from audit.services import Actor
-from common.errors import Conflict
+from common.errors import Conflict, InvalidInput
 from job_queue.agents import worker_disconnect
-from job_queue.fleet import worker_rotate_token
+from job_queue.fleet import worker_rotate_token, worker_set_labels, worker_undrain
 from job_queue.models import AttemptOutcome, Job, JobAttempt, JobStatus
 from job_queue.sweeps import sweep_stale_workers
-from job_queue.tests.factories import job_on_worker
+from job_queue.selectors import job_waiting_reason
+from job_queue.tests.factories import JobFactory, job_on_worker
 from workers.models import Token, Worker, WorkerStatus
 from workers.services import worker_drain
 from workers.tests.factories import WorkerFactory
@@ -157,3 +158,75 @@ def test_manage_py_rotate_worker_token_refuses_a_busy_worker_unless_forced(commi
     assert out.getvalue().strip().startswith("wt_")
     assert f"Job {job.pk} was taken back" in err.getvalue()
     assert (_reload(job).status, job.retry_count) == (JobStatus.QUEUED, 0)
+
+
+# --- undrain and labels (issue 14.3) -----------------------------------------------------------------
+
+
+def test_undrain_puts_an_idle_worker_back_in_service_and_offers_it_the_queue(commit):
+    worker = WorkerFactory(labels={"team": "vision"})
+    with commit():
+        worker_drain(worker_id=worker.pk, actor=ACTOR)
+    queued = JobFactory(worker_labels={"team": "vision"})
+    assert _reload(queued).status == JobStatus.QUEUED
+
+    with commit():
+        worker_undrain(worker_id=worker.pk, actor=ACTOR)
+
+    worker = _reload(worker)
+    assert (worker.drain_requested_at, worker.current_job_id) == (None, queued.pk)
+    assert (worker.status, _reload(queued).status) == (WorkerStatus.BUSY, JobStatus.DISPATCHED)
+    (row,) = audit_rows(actions.WORKER_UNDRAINED)
+    assert (row.target_id, row.details["status"]) == (worker.pk, WorkerStatus.DRAINING)
+
+
+def test_undrain_of_a_busy_worker_keeps_its_job_and_of_an_undrained_one_changes_nothing(commit):
+    worker = WorkerFactory(status=WorkerStatus.BUSY)
+    job = job_on_worker(worker)
+    with commit():
+        worker_drain(worker_id=worker.pk, actor=ACTOR)
+        worker_undrain(worker_id=worker.pk, actor=ACTOR)
+        worker_undrain(worker_id=worker.pk, actor=ACTOR)
+    assert (_reload(worker).status, worker.current_job_id) == (WorkerStatus.BUSY, job.pk)
+    assert len(audit_rows(actions.WORKER_UNDRAINED)) == 1
+
+
+def test_a_label_change_is_audited_and_rematches_queued_jobs(commit):
+    worker = WorkerFactory(labels={"team": "nlp"})
+    queued = JobFactory(worker_labels={"team": "vision"})
+    assert "matches labels team=vision" in job_waiting_reason(queued)
+
+    with commit():
+        worker_set_labels(worker_id=worker.pk, labels={"team": "vision", "gpu": "a100"}, actor=ACTOR)
+
+    assert _reload(worker).labels == {"team": "vision", "gpu": "a100"}
+    assert (_reload(queued).status, queued.worker_id) == (JobStatus.DISPATCHED, worker.pk)
+    (row,) = audit_rows(actions.WORKER_LABELS_CHANGED)
+    assert row.details == {"from": {"team": "nlp"}, "to": {"team": "vision", "gpu": "a100"}}
+
+
+def test_bad_labels_are_refused_and_change_nothing():
+    worker = WorkerFactory(labels={"team": "nlp"})
+    with pytest.raises(InvalidInput) as refused:
+        worker_set_labels(worker_id=worker.pk, labels={".bad": "x"}, actor=ACTOR)
+    assert refused.value.code == "invalid_labels"
+    assert _reload(worker).labels == {"team": "nlp"}
+    assert audit_rows(actions.WORKER_LABELS_CHANGED) == []
+
+
+def test_the_api_undrains_and_edits_labels(operator_client, commit):
+    worker = WorkerFactory(status=WorkerStatus.DRAINING, drain_requested_at=timezone.now())
+    with commit():
+        undrained = operator_client.post(f"/api/admin/workers/{worker.pk}/undrain")
+    assert undrained.status_code == 200
+    assert (undrained.json()["status"], undrained.json()["draining"]) == ("idle", False)
+
+    with commit():
+        relabelled = operator_client.put(f"/api/admin/workers/{worker.pk}/labels", {"labels": {"team": "x"}}, format="json")
+    assert (relabelled.status_code, relabelled.json()["labels"]) == (200, {"team": "x"})
+
+    refused = operator_client.put(f"/api/admin/workers/{worker.pk}/labels", {"labels": {"-no": "x"}}, format="json")
+    assert (refused.status_code, refused.json()["code"]) == (400, "invalid_labels")
+    missing = operator_client.put(f"/api/admin/workers/{worker.pk}/labels", {}, format="json")
+    assert missing.status_code == 400
+    assert operator_client.post("/api/admin/workers/w_000000000000/undrain").status_code == 404

@@ -5,10 +5,11 @@ import html
 import re
 
 import pytest
+from django.utils import timezone
 
 from audit import actions
 from job_queue.models import Job, JobAttempt, AttemptOutcome, JobStatus
-from job_queue.tests.factories import job_on_worker
+from job_queue.tests.factories import JobFactory, job_on_worker
 from workers.models import Token, TokenKind, Worker, WorkerStatus
 from workers.services import token_authenticate
 from workers.tests.factories import WorkerFactory, worker_token
@@ -111,3 +112,43 @@ def test_the_delete_action_lists_deletable_workers_and_why_the_others_stay(admin
     assert f'name="_selected_action" value="{gone.pk}"' in asked.content.decode()
     assert f'name="_selected_action" value="{online.pk}"' not in asked.content.decode()
     assert state() == before
+
+
+def test_undrain_button_asks_then_puts_the_worker_back_in_service(admin_client, commit):
+    worker = WorkerFactory(name="gpu-drained", status=WorkerStatus.DRAINING, drain_requested_at=timezone.now())
+    page = admin_client.get(admin_url(worker)).content.decode()
+    assert 'id="undrain-worker"' in page and 'id="drain-worker"' not in page
+    before = state()
+
+    changes, _ = confirmation(admin_client.post(admin_url(worker, "undrain")))
+    assert "status draining → idle" in changes
+    assert state() == before
+
+    with commit():
+        done = admin_client.post(admin_url(worker, "undrain"), {"post": "yes"})
+    assert done.status_code == 302 and admin_messages(done) == ["Back in service: gpu-drained"]
+    worker.refresh_from_db()
+    assert (worker.status, worker.drain_requested_at) == (WorkerStatus.IDLE, None)
+    assert len(audit_rows(actions.WORKER_UNDRAINED, target_id=worker.pk)) == 1
+
+
+def test_edit_labels_shows_the_current_labels_then_saves_and_rematches(admin_client, commit):
+    worker = WorkerFactory(name="gpu-labels", labels={"team": "nlp"})
+    queued = JobFactory(worker_labels={"team": "vision"})
+
+    form = admin_client.post(admin_url(worker, "labels")).content.decode()
+    assert 'id="worker_labels_form"' in form and "team=nlp" in form
+    bad = admin_client.post(admin_url(worker, "labels"), {"post": "yes", "labels": "no-equals-sign"})
+    assert "expected KEY=VALUE" in bad.content.decode()
+    assert Worker.objects.get(pk=worker.pk).labels == {"team": "nlp"}
+
+    with commit():
+        saved = admin_client.post(admin_url(worker, "labels"), {"post": "yes", "labels": "team=vision\ngpu=a100"})
+
+    assert saved.status_code == 302
+    assert admin_messages(saved) == ["Labels of gpu-labels: gpu=a100, team=vision. Queued jobs were matched again."]
+    assert Worker.objects.get(pk=worker.pk).labels == {"team": "vision", "gpu": "a100"}
+    queued.refresh_from_db()
+    assert (queued.status, queued.worker_id) == (JobStatus.DISPATCHED, worker.pk)
+    (row,) = audit_rows(actions.WORKER_LABELS_CHANGED)
+    assert row.actor_name == "admin"

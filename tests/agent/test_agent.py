@@ -418,6 +418,20 @@ def test_heartbeat_saying_draining_drains():
     assert agent.exit_code == 0
 
 
+def test_a_heartbeat_saying_not_draining_any_more_puts_the_agent_back_in_service(caplog):
+    agent = registered()
+    agent.client.script("heartbeat", {"status": "draining", "draining": True})
+    agent.clock.now = agent.next_heartbeat
+    agent.tick()
+    assert agent.draining
+    agent.client.script("heartbeat", {"status": "idle", "draining": False})
+    agent.clock.now = agent.next_heartbeat
+    with caplog.at_level("INFO"):
+        agent.tick()
+    assert not agent.draining and agent.exit_code is None
+    assert "Back in service: this worker takes jobs again" in caplog.text
+
+
 def test_first_signal_finishes_the_job_then_exits():
     agent = registered()
     run = submit(agent)

@@ -449,7 +449,7 @@ def test_delete_action_deletes_offline_workers_and_refuses_each_online_one(admin
 def test_the_default_bulk_delete_is_not_offered(admin_client):
     worker = WorkerFactory(offline=True)
 
-    assert action_names(admin_client.get(LIST)) == {"drain_workers", "rotate_token", "delete_workers"}
+    assert action_names(admin_client.get(LIST)) == {"drain_workers", "undrain_workers", "rotate_token", "delete_workers"}
     response = post_action(admin_client, LIST, "delete_selected", [worker], post="yes")
 
     assert response.status_code == 302
@@ -504,7 +504,8 @@ def test_each_worker_action_needs_its_own_permission(staff_client, permission, a
     client = staff_client("workers.view_worker", permission)
     worker = WorkerFactory(offline=True)
 
-    assert action_names(client.get(LIST)) == {action}
+    # Undrain is drain's other half: the same permission.
+    assert action_names(client.get(LIST)) == ({action, "undrain_workers"} if action == "drain_workers" else {action})
     detail = client.get(admin_url(worker)).content.decode()
     shown = {b for b, marker in [("drain", 'id="drain-worker"'), ("rotate", 'id="rotate-token"')] if marker in detail}
     assert shown == ({button} if button else set())
