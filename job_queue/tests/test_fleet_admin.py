@@ -152,3 +152,44 @@ def test_edit_labels_shows_the_current_labels_then_saves_and_rematches(admin_cli
     assert (queued.status, queued.worker_id) == (JobStatus.DISPATCHED, worker.pk)
     (row,) = audit_rows(actions.WORKER_LABELS_CHANGED)
     assert row.actor_name == "admin"
+
+
+# --- jobs: cancel and retry ask first ------------------------------------------------------------------
+
+JOBS = "/admin/queue/job/"
+
+
+def test_cancel_lists_what_changes_for_each_job_and_changes_nothing_until_confirmed(admin_client, commit):
+    worker = WorkerFactory(name="gpu-7", status=WorkerStatus.BUSY)
+    running = job_on_worker(worker, config_name="flux")
+    queued = JobFactory(config_name="sdxl")
+    done = JobFactory(config_name="old", status=JobStatus.COMPLETED)
+    before = state()
+
+    asked = post_action(admin_client, JOBS, "cancel_jobs", [running, queued, done])
+
+    changes, left = confirmation(asked)
+    assert f"{running.pk} (flux) status running → cancelled worker gpu-7 is told to stop it" in changes
+    assert f"{queued.pk} (sdxl) status queued → cancelled it leaves the queue" in changes
+    assert f"{done.pk} (old) : already completed: nothing to cancel" in left
+    assert state() == before
+
+    button = admin_client.post(admin_url(queued, "cancel"))
+    assert "status queued → cancelled" in confirmation(button)[0]
+    assert state() == before
+    with commit():
+        admin_client.post(admin_url(queued, "cancel"), {"post": "yes"})
+    assert Job.objects.get(pk=queued.pk).status == JobStatus.CANCELLED
+
+
+def test_retry_lists_the_new_job_it_makes_and_what_it_refuses(admin_client):
+    failed = JobFactory(config_name="broken", status=JobStatus.FAILED)
+    running = JobFactory(config_name="busy", status=JobStatus.RUNNING)
+    before = state()
+
+    changes, left = confirmation(post_action(admin_client, JOBS, "retry_jobs", [failed, running]))
+
+    assert f"a new job with the same settings is queued (retry_of {failed.pk})" in changes
+    assert f"{running.pk} (busy) : running: only a failed or cancelled job can be retried" in left
+    assert state() == before
+    assert Job.objects.count() == 2
