@@ -77,6 +77,7 @@ ADMIN_ACTIONS = {
     ("workers.worker", "button:undrain"): "workers.drain_worker",
     ("workers.worker", "button:labels"): "workers.change_worker",
     ("workers.token", "revoke_api_tokens"): "workers.manage_api_tokens",
+    ("workers.token", "add"): "workers.manage_api_tokens",
     ("queue.job", "add"): "queue.submit_job",
     ("queue.job", "cancel_jobs"): "queue.cancel_job",
     ("queue.job", "retry_jobs"): "queue.retry_job",
@@ -339,6 +340,7 @@ class AdminWorld:
 ADD_FORMS = {
     "workers.worker": {"name": "new-one", "worker_type": "persistent", "labels": ""},
     "queue.job": {"config_name": "c", "config": "{}", "target": "worker", "priority": "0"},
+    "workers.token": {"description": "matrix", "expires": "7"},  # user: the caller (set by admin_request)
 }
 
 
@@ -349,7 +351,10 @@ def admin_request(client, label, action, target):
     app_label, model_name = label.split(".")
     changelist = reverse(f"admin:{app_label}_{model_name}_changelist")
     if action == "add":
-        return client.post(reverse(f"admin:{app_label}_{model_name}_add"), ADD_FORMS[label])
+        form = dict(ADD_FORMS[label])
+        if label == "workers.token":
+            form["user"] = client.session.get("_auth_user_id", "")
+        return client.post(reverse(f"admin:{app_label}_{model_name}_add"), form)
     if action == "delete":
         return client.post(reverse(f"admin:{app_label}_{model_name}_delete", args=[quote(target.pk)]), {"post": "yes"})
     if action.startswith("button:"):

@@ -37,10 +37,10 @@ from common.admin_kit import (
 from common.errors import InvalidInput, ServiceError
 
 from . import permissions
-from .models import Token, TokenKind, Worker, WorkerStatus, WorkerType
+from . import token_admin  # noqa: F401 (registers the Tokens page)
+from .models import Worker, WorkerStatus, WorkerType
 from .onboarding import CREATABLE_TYPES, agent_command_line, parse_label_pairs
 from .services import (
-    api_tokens_revoke,
     worker_create,
     worker_delete,
     worker_delete_refusal,
@@ -343,43 +343,6 @@ class WorkerAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMi
                 self.message_user(request, f"Deleted worker {worker.name}; its jobs and audit trail are kept.", messages.SUCCESS)
                 return redirect(reverse("admin:workers_worker_changelist"))
         return super().delete_view(request, object_id, extra_context)
-
-
-@admin.register(Token)
-class TokenAdmin(OperatorPermissionsMixin, admin.ModelAdmin):
-    list_display = ["prefix", "kind", "worker", "user", "created_at", "last_used_at", "revoked_at"]
-    list_filter = ["kind"]
-    readonly_fields = ["kind", "prefix", "worker", "user", "description", "created_at", "last_used_at", "revoked_at"]
-    exclude = ["digest"]
-    actions = ["revoke_api_tokens"]
-    # No add (tokens are issued by create_api_token or with their worker) and no delete: rotate a
-    # worker's token instead (audited, and it closes the streams opened with it); revoke an operator's.
-    operator_permissions = {"view": permissions.VIEW_TOKENS, "revoke": permissions.MANAGE_API_TOKENS}
-
-    def has_revoke_permission(self, request):
-        return self.may(request, "revoke")
-
-    def get_actions(self, request):
-        actions = super().get_actions(request)
-        actions.pop("delete_selected", None)
-        return actions
-
-    @admin.action(description="Revoke selected operator API tokens", permissions=["revoke"])
-    def revoke_api_tokens(self, request, queryset):
-        if queryset.filter(kind=TokenKind.WORKER).exists():
-            self.message_user(
-                request, "Refused: worker tokens are rotated from their worker's page, not revoked here.", messages.ERROR
-            )
-            return
-        revoked = api_tokens_revoke(
-            token_ids=list(queryset.values_list("pk", flat=True)), actor=Actor.for_request(request)
-        )
-        if revoked:
-            self.message_user(
-                request, f"Revoked {len(revoked)} API token(s): {', '.join(t.prefix for t in revoked)}", messages.SUCCESS
-            )
-        else:
-            self.message_user(request, "Nothing to revoke: those tokens were revoked already.", messages.INFO)
 
 
 def drain_changes(worker):

@@ -151,6 +151,7 @@ class Token(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     last_used_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
+    expires_at = models.DateTimeField(null=True, blank=True, help_text="Refused from this moment on; never if empty.")
 
     class Meta:
         permissions = [("manage_api_tokens", "Can manage operators' API tokens (revoke them)")]
@@ -170,6 +171,12 @@ class Token(models.Model):
     @property
     def is_active(self):
         return self.revoked_at is None
+
+    def state(self, now):
+        """Return ``revoked``, ``expired`` or ``active`` at ``now``."""
+        if self.revoked_at is not None:
+            return "revoked"
+        return "expired" if self.expires_at is not None and self.expires_at <= now else "active"
 
 
 class ServerPresence(models.Model):

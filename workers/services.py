@@ -41,7 +41,7 @@ TOKEN_TOUCH_INTERVAL_S = 60
 # --- tokens --------------------------------------------------------------------------------------
 
 
-def token_issue(*, kind, worker=None, user=None, description=""):
+def token_issue(*, kind, worker=None, user=None, description="", expires_at=None):
     """Create a token and return ``(token, plaintext)``; the plaintext exists only in this return value."""
     plaintext = generate_token(kind)
     token = Token.objects.create(
@@ -51,12 +51,13 @@ def token_issue(*, kind, worker=None, user=None, description=""):
         worker=worker,
         user=user,
         description=description,
+        expires_at=expires_at,
     )
     return token, plaintext
 
 
 def token_authenticate(*, kind, plaintext):
-    """Return the active token of ``kind`` whose secret is ``plaintext``, or None.
+    """Return the active token of ``kind`` whose secret is ``plaintext``, or None (revoked, or expired).
 
     Marks the token used (at most once a minute, so heartbeats do not write on every call).
     """
@@ -67,24 +68,33 @@ def token_authenticate(*, kind, plaintext):
         kind=kind, digest=hash_token(plaintext), revoked_at__isnull=True
     )
     token = qs.first()
-    if token is None:
-        return None
     now = timezone.now()
+    if token is None or (token.expires_at is not None and token.expires_at <= now):
+        return None
     if token.last_used_at is None or (now - token.last_used_at).total_seconds() > TOKEN_TOUCH_INTERVAL_S:
         Token.objects.filter(pk=token.pk).update(last_used_at=now)
     return token
 
 
-def api_token_create(*, user, actor, description=""):
-    """Issue an operator API token for ``user``; return the plaintext (shown once)."""
+def api_token_create(*, user, actor, description="", expires_at=None):
+    """Issue an operator API token for ``user`` (refused from ``expires_at`` on, if given); return the
+    plaintext (shown once). Raise InvalidInput for an expiry not in the future or an inactive user."""
+    if expires_at is not None and expires_at <= timezone.now():
+        raise InvalidInput("the expiry must be in the future", code="invalid_expiry")
+    if not user.is_active:
+        raise InvalidInput(f"user {user.get_username()} is inactive", code="inactive_user")
     with audited_atomic():
-        token, plaintext = token_issue(kind=TokenKind.API, user=user, description=description)
+        token, plaintext = token_issue(kind=TokenKind.API, user=user, description=description, expires_at=expires_at)
         audit_record(
             actor=actor,
             action=actions.API_TOKEN_CREATED,
             target_type="user",
             target_id=user.pk,
-            details={"username": user.get_username(), "token_prefix": token.prefix},
+            details={
+                "username": user.get_username(),
+                "token_prefix": token.prefix,
+                "expires_at": expires_at.isoformat() if expires_at else None,
+            },
         )
     return plaintext
 

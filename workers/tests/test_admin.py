@@ -522,13 +522,13 @@ def test_revoking_operator_api_tokens_needs_its_permission_and_is_audited(staff_
     token = owner.api_tokens.get()
     viewer = staff_client("workers.view_token")
     assert action_names(viewer.get(TOKENS)) == set()
-    post_action(viewer, TOKENS, "revoke_api_tokens", [token])
+    post_action(viewer, TOKENS, "revoke_api_tokens", [token], post="yes")
     token.refresh_from_db()
     assert token.revoked_at is None
 
     manager = staff_client("workers.view_token", "workers.manage_api_tokens")
     with commit():
-        response = post_action(manager, TOKENS, "revoke_api_tokens", [token])
+        response = post_action(manager, TOKENS, "revoke_api_tokens", [token], post="yes")
 
     assert admin_messages(response) == [f"Revoked 1 API token(s): {token.prefix}"]
     token.refresh_from_db()
@@ -546,7 +546,7 @@ def test_worker_tokens_are_rotated_not_revoked_from_the_token_list(admin_client)
     worker_token(worker)
     token = worker.tokens.get()
 
-    response = post_action(admin_client, TOKENS, "revoke_api_tokens", [token])
+    response = post_action(admin_client, TOKENS, "revoke_api_tokens", [token], post="yes")
 
     assert admin_messages(response) == ["Refused: worker tokens are rotated from their worker's page, not revoked here."]
     token.refresh_from_db()
