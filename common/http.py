@@ -3,6 +3,7 @@
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.http import JsonResponse
+from django.urls import reverse
 from drf_spectacular.utils import OpenApiResponse
 from rest_framework import exceptions, serializers, status
 from rest_framework.response import Response
@@ -68,6 +69,12 @@ def add_throttled_responses(result, generator, request, public):
             if responses and "401" in responses:
                 responses.setdefault("429", throttled)
     return result
+
+
+def api_url(request, name, **kwargs):
+    """Return the address of the route ``name`` (absolute when the ``request`` is known, else a path)."""
+    path = reverse(name, kwargs=kwargs)
+    return request.build_absolute_uri(path) if request is not None else path
 
 
 def error_body(code, detail, **extra):

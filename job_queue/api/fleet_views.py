@@ -55,7 +55,7 @@ class AdminWorkerUndrainView(APIView):
     def post(self, request, worker_id):
         get_worker_or_404(worker_id)
         worker = fleet.worker_undrain(worker_id=worker_id, actor=Actor.for_request(request))
-        return Response(WorkerSerializer(worker).data)
+        return Response(WorkerSerializer(worker, context={"request": request}).data)
 
 
 class WorkerLabelsSerializer(serializers.Serializer):
@@ -78,4 +78,4 @@ class AdminWorkerLabelsView(APIView):
         worker = fleet.worker_set_labels(
             worker_id=worker_id, labels=serializer.validated_data["labels"], actor=Actor.for_request(request)
         )
-        return Response(WorkerSerializer(worker).data)
+        return Response(WorkerSerializer(worker, context={"request": request}).data)

@@ -3,6 +3,7 @@
 from rest_framework import serializers
 
 from common.fields import BoundedFloat, BoundedInt, BoundedJSON, BoundedText, TrainerJSON, TrainerLog, TrainerText
+from common.http import api_url
 from common.inputs import GPU_COUNT_MAX, GPU_VRAM_GB_MAX, LOG_TAIL_MAX_CHARS, TRAINER_ERROR_MAX_CHARS
 from worker_agent import protocol
 
@@ -17,11 +18,13 @@ class WorkerSerializer(serializers.ModelSerializer):
     draining = serializers.SerializerMethodField()
     stream_connected = serializers.SerializerMethodField()
     open_streams = serializers.SerializerMethodField(help_text="How many SSE streams are open for this worker.")
+    url = serializers.SerializerMethodField(help_text="This worker's own address in the API.")
 
     class Meta:
         model = Worker
         fields = [
             "id",
+            "url",
             "name",
             "status",
             "worker_type",
@@ -50,6 +53,9 @@ class WorkerSerializer(serializers.ModelSerializer):
 
     def get_stream_connected(self, worker) -> bool:
         return worker.stream_id is not None
+
+    def get_url(self, worker) -> str:
+        return api_url(self.context.get("request"), "admin-worker", worker_id=worker.pk)
 
     def get_open_streams(self, worker) -> int:
         return max(len(worker.open_streams or ()), int(worker.stream_id is not None))

@@ -60,7 +60,7 @@ class AdminWorkerListView(AdminWorkerAPIView):
             if unknown:
                 raise InvalidInput(f"unknown status {', '.join(sorted(unknown))}", code="invalid_filter")
             workers = workers.filter(status__in=statuses)
-        return Response({"workers": WorkerSerializer(workers, many=True).data})
+        return Response({"workers": WorkerSerializer(workers, many=True, context={"request": request}).data})
 
     @extend_schema(
         tags=["admin-workers"],
@@ -72,7 +72,7 @@ class AdminWorkerListView(AdminWorkerAPIView):
         serializer = WorkerCreateSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         worker, token = services.worker_create(**serializer.validated_data, actor=self.actor)
-        return Response(WorkerCreatedSerializer(worker, context={"token": token}).data, status=status.HTTP_201_CREATED)
+        return Response(WorkerCreatedSerializer(worker, context={"token": token, "request": request}).data, status=status.HTTP_201_CREATED)
 
 
 class AdminWorkerDetailView(AdminWorkerAPIView):
@@ -84,7 +84,7 @@ class AdminWorkerDetailView(AdminWorkerAPIView):
         responses={200: WorkerSerializer, **error_responses(401, 403, 404)},
     )
     def get(self, request, worker_id):
-        return Response(WorkerSerializer(get_worker_or_404(worker_id)).data)
+        return Response(WorkerSerializer(get_worker_or_404(worker_id), context={"request": request}).data)
 
     @extend_schema(
         tags=["admin-workers"],
@@ -107,4 +107,4 @@ class AdminWorkerDrainView(AdminWorkerAPIView):
     )
     def post(self, request, worker_id):
         worker = services.worker_drain(worker_id=worker_id, actor=self.actor)
-        return Response(WorkerSerializer(worker).data)
+        return Response(WorkerSerializer(worker, context={"request": request}).data)
