@@ -1,4 +1,5 @@
-"""URL routes: worker protocol, admin workers API, queue API, audit API, OpenAPI schema and docs, metrics, Django admin."""
+"""URL routes: worker protocol, admin workers API, queue API, audit API, OpenAPI schema and docs, metrics, Django admin,
+and for browsers the landing page at / and the favicon."""
 
 from django.contrib import admin
 from django.urls import include, path
@@ -6,6 +7,8 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 
 from observability.metrics import MetricsView
+
+from .landing import favicon, landing
 
 urlpatterns = [
     # The streams before admin/: the admin's catch-all would otherwise answer the change feed.
@@ -20,6 +23,8 @@ urlpatterns = [
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
     path("api-auth/", include("rest_framework.urls")),
     path("metrics", MetricsView.as_view(), name="metrics"),
+    path("favicon.ico", favicon, name="favicon"),
+    path("", landing, name="landing"),
 ]
 
 handler404 = "common.http.not_found"

@@ -60,8 +60,9 @@ ROUTES = {
     "api-docs": (OPERATOR, {"GET": SIGNED_IN}, None),
     "metrics": (OPERATOR, {"GET": SIGNED_IN}, None),  # SIMPLETUNER_METRICS=operators, the default
 }
-# Open to anyone by design: the browsable API's sign-in and sign-out pages.
-PUBLIC = {"login", "logout"}
+# Open to anyone by design: the browsable API's sign-in and sign-out pages; the landing page at / (links
+# only) and the favicon.
+PUBLIC = {"login", "logout", "landing", "favicon"}
 
 # (app_label.model, action) -> permission, for the admin of our apps. Actions are list actions,
 # "button:<name>" the detail page's buttons, "add" and "delete" the add and delete pages.
