@@ -77,12 +77,14 @@ def worker_register(*, worker_id, data, actor):
                 "reported_job": reported_job_id,
                 "resumed": resume is not None,
                 "agent_persistent": data.get("persistent"),
+                "agent_name": caps["agent_name"],
             },
         )
         if worker.status == WorkerStatus.IDLE:
             dispatch_on_commit(worker_id=worker.pk)
     response["status"] = worker.status
     response["worker_type"] = worker.worker_type
+    response["name"] = worker.name
     response["draining"] = worker.drain_requested_at is not None
     return response
 

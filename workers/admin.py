@@ -114,13 +114,13 @@ class WorkerAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMi
     change_form_template = "admin/workers/worker/change_form.html"
     fieldsets = [
         (None, {"fields": ["id", "name", "status_display", "worker_type", "labels_display", "current_job_display"]}),
-        ("Machine", {"fields": ["hostname", "agent_version", "gpus", "accelerator_type", "gpu_info_display", "metrics_display"]}),
+        ("Machine", {"fields": ["hostname", "agent_version", "agent_display", "gpus", "accelerator_type", "gpu_info_display", "metrics_display"]}),
         ("Connection", {"fields": ["heartbeat", "connected_at", "stream_opened_at", "status_changed_at", "drain_requested_at", "tokens_display"]}),
         ("History", {"fields": ["created_at", "created_by", "recent_jobs", "audit_trail"]}),
     ]
     readonly_fields = [
         "id", "name", "status_display", "worker_type", "labels_display", "current_job_display", "hostname",
-        "agent_version", "gpus", "accelerator_type", "gpu_info_display", "metrics_display", "heartbeat",
+        "agent_version", "agent_display", "gpus", "accelerator_type", "gpu_info_display", "metrics_display", "heartbeat",
         "connected_at", "stream_opened_at", "status_changed_at", "drain_requested_at", "tokens_display",
         "created_at", "created_by", "recent_jobs", "audit_trail",
     ]  # fmt: skip
@@ -142,6 +142,8 @@ class WorkerAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMi
         note = "drain requested" if worker.is_draining and worker.status != WorkerStatus.DRAINING else ""
         if worker.status == WorkerStatus.IDLE and not worker.has_stream:
             note = "no open stream"
+        elif not note and worker.agent_name and worker.agent_name != worker.name:
+            note = f"agent calls itself {worker.agent_name}"
         return status_badge(worker.status, worker.get_status_display(), note=note)
 
     @admin.display(description="GPUs", ordering="gpu_count")
@@ -168,6 +170,22 @@ class WorkerAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMi
     @admin.display(description="Last heartbeat", ordering="last_heartbeat")
     def heartbeat(self, worker):
         return ago_html(worker.last_heartbeat)
+
+    @admin.display(description="Agent says")
+    def agent_display(self, worker):
+        if not worker.agent_name and worker.agent_persistent is None:
+            return format_html('<span class="st-muted">{}</span>', "nothing yet (not registered)")
+        said = format_html(
+            "name {} · {}",
+            worker.agent_name or "—",
+            "unknown type" if worker.agent_persistent is None else ("persistent" if worker.agent_persistent else "ephemeral"),
+        )
+        notes = worker.agent_notes()
+        if not notes:
+            return said
+        return format_html(
+            '{}{}', said, format_html_join("", '<div class="st-warning st-agent-note">{}</div>', ((n,) for n in notes))
+        )
 
     @admin.display(description="GPU info")
     def gpu_info_display(self, worker):

@@ -62,6 +62,9 @@ class Worker(models.Model):
     gpu_info = models.JSONField(default=dict, blank=True, help_text="Capabilities exactly as the agent reported them.")
     hostname = models.CharField(max_length=255, blank=True, default="")
     agent_version = models.CharField(max_length=64, blank=True, default="")
+    # What the agent says of itself at registration (its --name and --persistent), shown beside the worker's own.
+    agent_name = models.CharField(max_length=128, blank=True, default="")
+    agent_persistent = models.BooleanField(null=True, blank=True)
     metrics = models.JSONField(default=dict, blank=True, help_text="Utilisation from the latest heartbeat.")
 
     current_job = models.OneToOneField(
@@ -109,6 +112,18 @@ class Worker(models.Model):
     @property
     def never_connected(self):
         return self.connected_at is None
+
+    def agent_notes(self):
+        """Return where the agent's own word (its --name, --persistent) differs from the worker, one sentence each."""
+        notes = []
+        if self.agent_name and self.agent_name != self.name:
+            notes.append(f"its agent calls itself {self.agent_name!r} (--name); it is registered as {self.name!r}")
+        persistent = self.worker_type in (WorkerType.PERSISTENT, WorkerType.LOCAL)
+        if self.agent_persistent is not None and self.agent_persistent != persistent:
+            said = "persistent (--persistent)" if self.agent_persistent else "ephemeral (no --persistent)"
+            follows = "stays online between jobs" if persistent else "exits after one job"
+            notes.append(f"its agent was started {said}; it follows the worker's type, {self.worker_type}, and {follows}")
+        return notes
 
 
 class TokenKind(models.TextChoices):

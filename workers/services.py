@@ -338,6 +338,8 @@ def parse_capabilities(data):
         "gpu_info": raw,
         "hostname": str(data.get("hostname") or "")[:255],
         "agent_version": str(data.get("agent_version") or data.get("version") or "")[:64],
+        "agent_name": clean_text(str(data.get("name") or ""))[:128],
+        "agent_persistent": data.get("persistent") if isinstance(data.get("persistent"), bool) else None,
     }
 
 

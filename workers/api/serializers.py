@@ -19,6 +19,9 @@ class WorkerSerializer(serializers.ModelSerializer):
     stream_connected = serializers.SerializerMethodField()
     open_streams = serializers.SerializerMethodField(help_text="How many SSE streams are open for this worker.")
     url = serializers.SerializerMethodField(help_text="This worker's own address in the API.")
+    agent_notes = serializers.SerializerMethodField(
+        help_text="Where the agent's own --name or --persistent differs from the worker (the worker's win)."
+    )
 
     class Meta:
         model = Worker
@@ -36,6 +39,9 @@ class WorkerSerializer(serializers.ModelSerializer):
             "gpu_info",
             "hostname",
             "agent_version",
+            "agent_name",
+            "agent_persistent",
+            "agent_notes",
             "metrics",
             "current_job_id",
             "draining",
@@ -53,6 +59,9 @@ class WorkerSerializer(serializers.ModelSerializer):
 
     def get_stream_connected(self, worker) -> bool:
         return worker.stream_id is not None
+
+    def get_agent_notes(self, worker) -> list[str]:
+        return worker.agent_notes()
 
     def get_url(self, worker) -> str:
         return api_url(self.context.get("request"), "admin-worker", worker_id=worker.pk)
