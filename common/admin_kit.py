@@ -205,6 +205,44 @@ def run_service_on_each(modeladmin, request, objects, call, *, done):
     return succeeded
 
 
+# --- Django's usual intermediate confirmation page, for every action that changes something ------------
+
+
+def confirmed(request):
+    """Return whether ``request`` is the operator's "Yes" on the confirmation page (Django's ``post=yes``)."""
+    return request.method == "POST" and request.POST.get("post") == "yes"
+
+
+def confirmation_page(
+    modeladmin, request, *, title, question, rows, confirm_label, back_url, action=None, objects=(), refused=(), hidden=()
+):
+    """Render the intermediate page that lists what an action will change before it runs.
+
+    ``rows``: ``(object, [what changes, ...])`` for each object the action will change; ``refused``:
+    ``(object, why)`` for each it will leave as it is. Its "Yes" re-posts the request with ``post=yes``
+    (and, for a list ``action``, the ``objects`` as ``_selected_action``) plus the ``hidden`` pairs.
+    """
+    context = {
+        **modeladmin.admin_site.each_context(request),
+        "title": title,
+        "question": question,
+        "rows": rows,
+        "refused": refused,
+        "confirm_label": confirm_label,
+        "back_url": back_url,
+        "action": action,
+        "objects": objects,
+        "hidden": hidden,
+        "opts": modeladmin.opts,
+    }
+    return TemplateResponse(request, "admin/simpletuner/confirm_action.html", context)
+
+
+def changelist_url(modeladmin):
+    """Return the URL of ``modeladmin``'s list page."""
+    return reverse("admin:%s_%s_changelist" % (modeladmin.opts.app_label, modeladmin.opts.model_name))
+
+
 def pretty_json_html(value):
     """Return ``value`` as indented JSON in a ``<pre>``."""
     return format_html("<pre>{}</pre>", json.dumps(value, indent=2, sort_keys=True, default=str))

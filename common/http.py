@@ -5,6 +5,7 @@ import re
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.http import JsonResponse
+from django.urls import reverse
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse
 from rest_framework import exceptions, serializers, status
 from rest_framework.response import Response
@@ -89,6 +90,12 @@ def any_value_is_nullable(result, generator, request, public):
 
     walk(result)
     return result
+
+
+def api_url(request, name, **kwargs):
+    """Return the address of the route ``name`` (absolute when the ``request`` is known, else a path)."""
+    path = reverse(name, kwargs=kwargs)
+    return request.build_absolute_uri(path) if request is not None else path
 
 
 def error_body(code, detail, **extra):

@@ -23,6 +23,9 @@ from common.admin_kit import (
     OperatorPermissionsMixin,
     admin_link,
     ago_html,
+    changelist_url,
+    confirmation_page,
+    confirmed,
     form_page,
     pretty_json_html,
     run_service_on_each,
@@ -31,7 +34,7 @@ from common.admin_kit import (
 from common.errors import InvalidInput, ServiceError
 from workers.onboarding import parse_label_pairs
 
-from . import permissions
+from . import permissions, worker_admin  # noqa: F401 (worker_admin registers the Workers page with its rotate action)
 from .api.serializers import JobSubmitSerializer
 from .models import JOB_RETRYABLE, JOB_TERMINAL, Job, JobAttempt, JobStatus, JobTarget
 from .selectors import job_waiting_reason
@@ -296,26 +299,61 @@ class JobAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMixin
 
     # --- cancel and retry ----------------------------------------------------------------------------
 
+    # --- cancel and retry: each lists what will change and asks first ------------------------------
+
     @admin.action(description="Cancel selected jobs (a running one is told to stop)", permissions=["cancel"])
     def cancel_jobs(self, request, queryset):
+        jobs = list(queryset.select_related("worker"))
+        if not confirmed(request):
+            return self._confirm(request, jobs, "cancel", action="cancel_jobs", back_url=changelist_url(self))
         run_service_on_each(
-            self, request, queryset, lambda j: job_cancel(job_id=j.pk, actor=Actor.for_request(request)), done="Cancelled"
+            self, request, jobs, lambda j: job_cancel(job_id=j.pk, actor=Actor.for_request(request)), done="Cancelled"
         )
+        return None
 
     @admin.action(description="Retry selected failed or cancelled jobs (as new jobs)", permissions=["retry"])
     def retry_jobs(self, request, queryset):
+        jobs = list(queryset)
+        if not confirmed(request):
+            return self._confirm(request, jobs, "retry", action="retry_jobs", back_url=changelist_url(self))
         new_jobs = []
         run_service_on_each(
             self,
             request,
-            queryset,
+            jobs,
             lambda j: new_jobs.append(job_retry(job_id=j.pk, actor=Actor.for_request(request))[0]),
             done="Retried",
         )
         if new_jobs:
             self.message_user(request, "New jobs: " + ", ".join(job.pk for job in new_jobs), messages.INFO)
+        return None
+
+    def _confirm(self, request, jobs, what, *, back_url, action=None):
+        rows, refused = [], []
+        for job in jobs:
+            changes, why_not = (cancel_changes if what == "cancel" else retry_changes)(job)
+            if changes:
+                rows.append((f"{job.pk} ({job.config_name})", changes))
+            else:
+                refused.append((f"{job.pk} ({job.config_name})", why_not))
+        return confirmation_page(
+            self,
+            request,
+            title="Cancel jobs" if what == "cancel" else "Retry jobs",
+            question="Cancel these jobs?" if what == "cancel" else "Retry these jobs, each as a new job with the same settings?",
+            rows=rows,
+            refused=refused,
+            confirm_label="Yes, cancel them" if what == "cancel" else "Yes, retry them",
+            back_url=back_url,
+            action=action,
+            objects=[job for job in jobs if (cancel_changes if what == "cancel" else retry_changes)(job)[0]],
+        )
 
     def cancel_view(self, request, job_id):
+        if not confirmed(request):
+            job = self.get_object(request, job_id)
+            if job is not None:
+                return self._confirm(request, [job], "cancel", back_url=reverse("admin:queue_job_change", args=[quote(job.pk)]))
         try:
             job_cancel(job_id=job_id, actor=Actor.for_request(request))
         except ServiceError as exc:
@@ -325,6 +363,10 @@ class JobAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMixin
         return self.change_page(job_id)
 
     def retry_view(self, request, job_id):
+        if not confirmed(request):
+            job = self.get_object(request, job_id)
+            if job is not None:
+                return self._confirm(request, [job], "retry", back_url=reverse("admin:queue_job_change", args=[quote(job.pk)]))
         try:
             job, dispatched = job_retry(job_id=job_id, actor=Actor.for_request(request))
         except ServiceError as exc:
@@ -340,3 +382,27 @@ class JobAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMixin
             "can_retry": job is not None and job.status in JOB_RETRYABLE and self.has_retry_permission(request),
         }
         return super().change_view(request, object_id, form_url, {**extra, **(extra_context or {})})
+
+
+def cancel_changes(job):
+    """Return ``(what cancelling job changes, why it cannot)`` for its confirmation page (one of them empty)."""
+    if job.status in JOB_TERMINAL:
+        return [], f"already {job.status}: nothing to cancel"
+    changes = [f"status {job.status} → cancelled"]
+    if job.worker_id:
+        changes.append(
+            f"worker {job.worker_name} is told to stop it (job_cancel); it stays busy until its agent confirms the trainer stopped"
+        )
+    else:
+        changes.append("it leaves the queue; no worker runs it")
+    return changes, ""
+
+
+def retry_changes(job):
+    """Return ``(what retrying job changes, why it cannot)`` for its confirmation page (one of them empty)."""
+    if job.status not in JOB_RETRYABLE:
+        return [], f"{job.status}: only a failed or cancelled job can be retried"
+    return [
+        f"a new job with the same settings is queued (retry_of {job.pk}) and dispatched when a matching worker is free",
+        f"this one stays {job.status}, as it was",
+    ], ""

@@ -12,7 +12,7 @@ from audit.services import audit_record, audited_atomic
 from common.errors import StaleReport
 from worker_agent import protocol
 from workers.models import Worker, WorkerStatus
-from workers.services import lock_worker, parse_capabilities
+from workers.services import lock_worker, parse_capabilities, worker_stream_opened_fields
 from workers.transitions import worker_resting_status, workers_transition
 
 from .dispatch import (
@@ -27,7 +27,7 @@ from .models import JOB_ACTIVE, JobStatus
 from .reports import job_record_progress
 from .selectors import jobs_waiting_for
 from .services import lock_job
-from .transitions import jobs_acknowledge, jobs_release
+from .transitions import jobs_acknowledge, jobs_release, operator_interruption
 
 
 def worker_register(*, worker_id, data, actor):
@@ -77,12 +77,14 @@ def worker_register(*, worker_id, data, actor):
                 "reported_job": reported_job_id,
                 "resumed": resume is not None,
                 "agent_persistent": data.get("persistent"),
+                "agent_name": caps["agent_name"],
             },
         )
         if worker.status == WorkerStatus.IDLE:
             dispatch_on_commit(worker_id=worker.pk)
     response["status"] = worker.status
     response["worker_type"] = worker.worker_type
+    response["name"] = worker.name
     response["draining"] = worker.drain_requested_at is not None
     return response
 
@@ -186,13 +188,15 @@ def worker_disconnect(*, worker_id, actor, reason="agent disconnected"):
 
 
 def worker_stream_opened(*, worker_id, stream_id, replaying):
-    """Mark the worker's stream open; hand it work: re-send an unacknowledged dispatch, or dispatch anew.
+    """Mark the worker's stream open (beside any other open one); hand it work: re-send an unacknowledged
+    dispatch, or dispatch anew.
 
     ``replaying`` is True when the agent resumes with Last-Event-ID (the library replays what it missed).
     """
     with audited_atomic():
         worker = lock_worker(worker_id)
-        Worker.objects.filter(pk=worker.pk).update(stream_id=stream_id, stream_opened_at=timezone.now())
+        fields = worker_stream_opened_fields(worker, stream_id=stream_id, now=timezone.now())
+        Worker.objects.filter(pk=worker.pk).update(**fields)
         if worker.current_job_id and not replaying:
             job_redeliver_on_commit(job_id=worker.current_job_id, worker_id=worker.pk)
         if worker.status == WorkerStatus.IDLE:
@@ -214,10 +218,12 @@ def _names_current_attempt(job, job_id, attempt):
 def _release_held_job(*, job, worker, actor, reason):
     """Take a locked active ``job`` back from ``worker``, which no longer runs it (the caller updates the worker).
 
-    A cancelled job only loses its worker (the caller clears ``current_job``).
+    A cancelled job only loses its worker (the caller clears ``current_job``); a job lost while its
+    worker drains spends no retry (``operator_interruption``).
     """
     if job.worker_id == worker.pk and job.status in JOB_ACTIVE:
-        redispatch_on_commit(jobs_release(jobs=[job], actor=actor, reason=reason))
+        released = jobs_release(jobs=[job], actor=actor, reason=reason, interrupted_by=operator_interruption(worker))
+        redispatch_on_commit(released)
 
 
 def worker_ask_for_work(*, worker_id):

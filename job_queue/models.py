@@ -145,6 +145,7 @@ class AttemptOutcome(models.TextChoices):
     CANCELLED = "cancelled", "Cancelled"
     LOST = "lost", "Worker lost"
     UNACKNOWLEDGED = "unacknowledged", "Dispatch not acknowledged"
+    INTERRUPTED = "interrupted", "Interrupted by an operator (no retry spent)"
     SUPERSEDED = "superseded", "Superseded (an earlier attempt completed)"
 
 

@@ -21,6 +21,7 @@ from .transitions import (
     jobs_recover_completion,
     jobs_release,
     jobs_transition,
+    operator_interruption,
     recoverable_attempt,
 )
 
@@ -184,7 +185,15 @@ def _apply_report(*, job, worker, raw, target, error, data, actor):
         else:
             outcome, why = AttemptOutcome.CANCELLED, f"attempt {job.attempt_count} stopped by worker: {error or 'stopped by the worker'}"
         # The report itself acknowledges the attempt, even one that never said `starting`.
-        released = jobs_release(jobs=[job], actor=actor, reason=why, outcome=outcome, acknowledged=True, now=now)
+        released = jobs_release(
+            jobs=[job],
+            actor=actor,
+            reason=why,
+            outcome=outcome,
+            acknowledged=True,
+            interrupted_by=operator_interruption(worker) if owns_worker and outcome == AttemptOutcome.CANCELLED else None,
+            now=now,
+        )
         redispatch_on_commit(released)
 
     if owns_worker:

@@ -4,9 +4,9 @@ from collections import Counter
 
 from django.db.models import Max
 
-from workers.models import Worker, WorkerStatus
+from workers.models import Worker, WorkerStatus, WorkerType
 
-from .models import TARGET_WORKER_TYPES, Job, JobStatus, job_fits_worker, labels_match, targets_for_worker_type
+from .models import TARGET_WORKER_TYPES, Job, JobStatus, JobTarget, job_fits_worker, labels_match, targets_for_worker_type
 
 
 def _plural(n, word):
@@ -31,7 +31,7 @@ def job_waiting_reason(job):
     matching = [(status, stream, drain) for labels, status, stream, drain in enough_gpus if labels_match(job.worker_labels, labels)]
     if not matching:
         wanted = ", ".join(f"{k}={v}" for k, v in job.worker_labels.items())
-        return f"no {kind} with >= {job.gpu_count} GPUs matches labels {wanted}"
+        return f"no {kind} with >= {job.gpu_count} GPUs matches labels {wanted}{_auto_fallback_note(job)}"
     available = sum(1 for status, stream, drain in matching if status == WorkerStatus.IDLE and stream is not None and drain is None)
     if available:
         ahead = (
@@ -44,7 +44,26 @@ def job_waiting_reason(job):
     counts = Counter("idle without an open stream" if status == WorkerStatus.IDLE else status for status, _, _ in matching)
     parts = [f"{n} {state}" for state, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
     verb = "matches" if len(matching) == 1 else "match"
-    return f"{_plural(len(matching), kind)} {verb} but none is available ({', '.join(parts)})"
+    return f"{_plural(len(matching), kind)} {verb} but none is available ({', '.join(parts)}){_auto_fallback_note(job)}"
+
+
+def _auto_fallback_note(job):
+    """Return why an ``auto`` job with label selectors does not fall back to the local worker ("" if it may).
+
+    ``auto`` prefers a remote worker and falls back to the local one, which must match the labels
+    too: the selectors are the operator's requirements, not a preference.
+    """
+    if job.target != JobTarget.AUTO or not job.worker_labels:
+        return ""
+    local = list(Worker.objects.filter(worker_type=WorkerType.LOCAL).values_list("labels", flat=True))
+    if not local:
+        return "; auto's fallback, the local worker, is not registered"
+    if not any(labels_match(job.worker_labels, labels) for labels in local):
+        return (
+            "; auto falls back to the local worker only when it matches the labels too, and it does not "
+            "(give it those labels, or submit without worker_labels)"
+        )
+    return ""
 
 
 def jobs_waiting_for(worker, *, batch=200):

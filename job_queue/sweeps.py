@@ -21,7 +21,7 @@ from workers.transitions import workers_free, workers_transition
 
 from .dispatch import dispatch_pending
 from .models import JOB_ACTIVE, Job, JobStatus
-from .transitions import jobs_release
+from .transitions import jobs_release, operator_interruption
 
 logger = logging.getLogger(__name__)
 
@@ -29,14 +29,15 @@ HEALTH = Actor.system("health-sweep")
 ACK_SWEEP = Actor.system("dispatch-ack-sweep")
 # What the transitions read of a job and a worker: the sweeps load no more.
 JOB_FIELDS = ("pk", "status", "worker_id", "lease_id", "attempt_count", "retry_count", "max_retries")
-WORKER_FIELDS = ("pk", "status", "drain_requested_at", "current_job_id")
+WORKER_FIELDS = ("pk", "name", "status", "drain_requested_at", "current_job_id")
 
 
 def sweep_stale_workers(*, now=None, actor=HEALTH):
     """Take workers silent for longer than the heartbeat timeout offline and recover their jobs.
 
     Their jobs go through ``jobs_release``: one never acknowledged goes back to the queue without
-    spending a retry; a running one is requeued while retries remain, else failed. Nothing is taken
+    spending a retry; a running one is requeued while retries remain, else failed; one whose worker
+    was draining (an operator's doing) is requeued without spending a retry. Nothing is taken
     offline while no server has been up long enough to hear the heartbeats (``servers_heard_silence``).
     Rows locked by a concurrent request or sweep are skipped and picked up by the next run. Return
     ``{"workers": n, "requeued": n, "failed": n}``.
@@ -77,8 +78,10 @@ def sweep_stale_workers(*, now=None, actor=HEALTH):
         stale = [w for w in stale if w.pk not in held_elsewhere]
         if not stale:
             return nothing
+        drained = {w.pk: operator_interruption(w) for w in stale}
         workers_transition(workers=stale, to=WorkerStatus.OFFLINE, actor=actor, reason=reason, current_job=None, now=now)
         released = jobs_release(
+            interrupted_by=lambda j: drained.get(j.worker_id),
             jobs=jobs,
             actor=actor,
             reason=lambda j: (

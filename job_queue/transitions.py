@@ -124,7 +124,7 @@ def _attempts_end(ends, *, now=None):
 
 
 # Outcomes of an attempt taken back without its worker's word; a late completion of one is still good.
-RECOVERABLE_OUTCOMES = (AttemptOutcome.LOST, AttemptOutcome.UNACKNOWLEDGED)
+RECOVERABLE_OUTCOMES = (AttemptOutcome.LOST, AttemptOutcome.UNACKNOWLEDGED, AttemptOutcome.INTERRUPTED)
 
 
 def recoverable_attempt(*, job, worker, lease_id):
@@ -220,12 +220,28 @@ class Released:
         return bool(self.requeued or self.failed)
 
 
-def jobs_release(*, jobs, actor, reason, outcome=AttemptOutcome.LOST, acknowledged=False, now=None):
+def operator_interruption(worker):
+    """Return the operator's action that ends a job lost on ``worker`` now (its drain), or None.
+
+    An operator who drained a worker is taking it out of service: a job it loses meanwhile (the agent
+    stopped, the machine switched off) is the operator's doing, not the job's, and spends no retry.
+    """
+    if worker is not None and worker.drain_requested_at is not None:
+        return f"drain of {worker.name}"
+    return None
+
+
+def jobs_release(
+    *, jobs, actor, reason, outcome=AttemptOutcome.LOST, acknowledged=False, interrupted_by=None, now=None
+):
     """Take back locked active jobs whose current attempt is over (worker lost, dispatch never acknowledged, ...).
 
     The rule, in one place:
     - never acknowledged (``dispatched``): the attempt ends ``unacknowledged`` and the job goes back to
       the queue without spending a retry (the trainer never started);
+    - ended by an operator's action (``interrupted_by``: a string, or a function of the job returning
+      one or None, naming the action: a token rotation, a drain): the attempt ends ``interrupted`` and
+      the job goes back to the queue without spending a retry, even with none left;
     - acknowledged (``running``): the attempt ends with ``outcome``; the job is requeued while retries
       remain, spending one, else fails for good with ``reason`` and the retries it used.
     ``acknowledged`` says the worker's own report ended the attempt, which acknowledges it even if it
@@ -235,15 +251,21 @@ def jobs_release(*, jobs, actor, reason, outcome=AttemptOutcome.LOST, acknowledg
     """
     now = now or timezone.now()
     released = Released()
-    reasons = {job.pk: reason(job) if callable(reason) else reason for job in jobs}  # before any field changes
+    by = {job.pk: interrupted_by(job) if callable(interrupted_by) else interrupted_by for job in jobs}
+    reasons = {job.pk: _reason(job, reason, by[job.pk]) for job in jobs}  # before any field changes
     why = lambda job: reasons[job.pk]  # noqa: E731
     final = lambda job: f"{why(job)}; retries exhausted ({job.retry_count} of {job.max_retries} used)"  # noqa: E731
     unacked = [] if acknowledged else [j for j in jobs if j.status == JobStatus.DISPATCHED]
     started = jobs if acknowledged else [j for j in jobs if j.status != JobStatus.DISPATCHED]
+    for job in unacked:
+        by[job.pk] = None  # never started: nothing of it was interrupted
+    interrupted = [j for j in started if by[j.pk]]
+    started = [j for j in started if not by[j.pk]]
     retry = [j for j in started if j.retry_count < j.max_retries]
     exhausted = [j for j in started if j.retry_count >= j.max_retries]
     _attempts_end(
         {j.lease_id: (AttemptOutcome.UNACKNOWLEDGED, why(j)) for j in unacked}
+        | {j.lease_id: (AttemptOutcome.INTERRUPTED, why(j)) for j in interrupted}
         | {j.lease_id: (outcome, why(j)) for j in started},
         now=now,
     )
@@ -251,7 +273,7 @@ def jobs_release(*, jobs, actor, reason, outcome=AttemptOutcome.LOST, acknowledg
     spend = dict(BACK_TO_QUEUE, retry_count=F("retry_count") + 1)
     audit = _jobs_move(
         [
-            *_moves(unacked, JobStatus.QUEUED, why, BACK_TO_QUEUE),
+            *_moves(unacked + interrupted, JobStatus.QUEUED, why, BACK_TO_QUEUE),
             *_moves(retry, JobStatus.QUEUED, why, spend),
             *_moves(exhausted, JobStatus.FAILED, final, {"finished_at": now}),
         ],
@@ -259,14 +281,14 @@ def jobs_release(*, jobs, actor, reason, outcome=AttemptOutcome.LOST, acknowledg
     )
     for job in retry:  # the instances show the value the UPDATE wrote, not the expression
         job.retry_count = previous[job.pk][1] + 1
-    for group, spent in ((unacked, False), (retry, True)):
+    for group, spent in ((unacked + interrupted, False), (retry, True)):
         if group:
-            audit += _requeued_rows(group, actor=actor, why=why, spent=spent, previous=previous)
+            audit += _requeued_rows(group, actor=actor, why=why, spent=spent, previous=previous, by=by)
             outbox.emit_on_commit(events.REQUEUED, count=len(group), retry_spent=spent)
     if exhausted:
         outbox.emit_on_commit(events.RETRIES_EXHAUSTED, count=len(exhausted))
     audit_write(audit)
-    released.requeued = [j.pk for j in unacked + retry]
+    released.requeued = [j.pk for j in unacked + interrupted + retry]
     released.failed = [j.pk for j in exhausted]
     return released
 
@@ -281,7 +303,15 @@ def _moves(jobs, to, text, fields):
     ]
 
 
-def _requeued_rows(jobs, *, actor, why, spent, previous):
+def _reason(job, reason, interrupted_by):
+    """Return why ``job``'s attempt ended, saying so when an operator's action ended it (no retry spent)."""
+    text = reason(job) if callable(reason) else reason
+    if interrupted_by and job.status != JobStatus.DISPATCHED:
+        text = f"{text} (stopped by an operator's {interrupted_by}: no retry spent)"
+    return text
+
+
+def _requeued_rows(jobs, *, actor, why, spent, previous, by):
     return audit_events(
         actor=actor,
         action=actions.JOB_REQUEUED,
@@ -295,7 +325,8 @@ def _requeued_rows(jobs, *, actor, why, spent, previous):
                     "retry_count": j.retry_count,
                     "max_retries": j.max_retries,
                     "previous_worker": previous[j.pk][0],
-                },
+                }
+                | ({"interrupted_by": by[j.pk]} if by[j.pk] else {}),
             )
             for j in jobs
         ],

@@ -11,6 +11,7 @@ import uuid
 from urllib.parse import unquote
 
 from django.http import StreamingHttpResponse
+from django.views.decorators.csrf import csrf_exempt
 from django_eventstream.eventstream import get_current_event_id
 from django_eventstream.utils import parse_last_event_id, sse_encode_event
 from django_eventstream.views import Listener, stream
@@ -92,10 +93,11 @@ def requested_resume(request):
         raise ValueError("Last-Event-ID must look like worker-<id>:<n>") from None
 
 
+@csrf_exempt  # authenticated by its token header, never a cookie: another method is a JSON 405, not a CSRF page
 async def worker_stream(request):
     """GET protocol.STREAM_PATH: the calling worker's dispatch feed (401 without its valid token)."""
     if request.method != "GET":
-        response = error_response("method_not_allowed", "use GET", 405)
+        response = error_response("method_not_allowed", f"{request.method} is not allowed here: open the stream with GET", 405)
         response["Allow"] = "GET"
         return response
     secret = request.headers.get(protocol.WORKER_TOKEN_HEADER) or ""

@@ -11,17 +11,17 @@ def start_presence_beacon():
     them; a server that stops or dies stops writing, and its silence is the signal.
     """
     import functools
-    import secrets
 
     from django.utils import timezone
 
     from simpletuner_site.scheduler import EmbeddedScheduler
     from workers.services import presence_interval, server_presence_beat
+    from workers.streams import server_process_id
 
     hostname, pid = socket.gethostname(), os.getpid()
     beat = functools.partial(
         server_presence_beat,
-        process_id=f"{hostname}:{pid}:{secrets.token_hex(4)}",
+        process_id=server_process_id(),  # the id its streams are recorded under
         hostname=hostname,
         pid=pid,
         started_at=timezone.now(),

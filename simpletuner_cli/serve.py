@@ -56,6 +56,7 @@ def run_server(args):
         args.ssl_certfile, args.ssl_keyfile = args.ssl_certfile.resolve(), args.ssl_keyfile.resolve()
         supplied_cert = load_tls_pair(args.ssl_certfile, args.ssl_keyfile)
 
+    refuse_port_in_use(args.host, args.port)
     os.environ["DJANGO_SETTINGS_MODULE"] = SETTINGS_MODULE
     if args.ssl or supplied_cert is not None:
         os.environ["SIMPLETUNER_TLS"] = "true"  # secure cookies and HSTS (settings.SERVES_TLS)
@@ -133,6 +134,31 @@ def run_server(args):
             scheduler.stop()
         presence.stop()
     return 0
+
+
+def refuse_port_in_use(host, port):
+    """Raise CLIError, one line naming the port and how to choose another, if ``host:port`` cannot be listened on."""
+    import errno
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise CLIError(f"cannot listen on {host}:{port}: {exc.strerror} (check --host)", status=2) from None
+    family, kind, proto, _name, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as daphne listens: TIME_WAIT is no conflict
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise CLIError(
+                    f"port {port} on {host} is already in use (another orchestrator?): stop it, or choose another "
+                    f"port with --port N (make run PORT=N)"
+                ) from None
+            if exc.errno in (errno.EACCES, errno.EPERM):
+                raise CLIError(f"not allowed to listen on {host}:{port} (ports below 1024 need privileges): use --port N") from None
+            raise CLIError(f"cannot listen on {host}:{port}: {exc.strerror} (check --host and --port)") from None
 
 
 def start_local_worker(*, settings, host, port, cert=None, certfile=None, verbose=0):

@@ -8,6 +8,7 @@ import django  # noqa: E402
 
 django.setup(set_prefix=False)
 
+from django.core.exceptions import RequestAborted  # noqa: E402
 from django.core.handlers.asgi import ASGIHandler  # noqa: E402
 
 from realtime.urls import STREAM_PATHS  # noqa: E402  the worker stream and the operators' change feed
@@ -27,6 +28,18 @@ class StreamAwareASGIHandler(ASGIHandler):
             await self.handle(scope, receive, send)
             return
         await super().__call__(scope, receive, send)
+
+    async def listen_for_disconnect(self, receive):
+        """End quietly when the client disconnects (Django raises RequestAborted, which it ignores).
+
+        When the server shuts down it cancels each open request (an SSE stream never ends by itself);
+        the disconnect then arrives after ``handle`` stopped waiting, and Django's RequestAborted would
+        be logged as a "Task exception was never retrieved" traceback for every open stream.
+        """
+        try:
+            return await super().listen_for_disconnect(receive)
+        except RequestAborted:
+            return None
 
 
 application = StreamAwareASGIHandler()

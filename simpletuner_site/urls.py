@@ -1,4 +1,5 @@
-"""URL routes: worker protocol, admin workers API, queue API, audit API, OpenAPI schema and docs, metrics, Django admin."""
+"""URL routes: worker protocol, admin workers API, queue API, audit API, OpenAPI schema and docs, metrics, Django admin,
+and for browsers the landing page at / and the favicon."""
 
 from django.contrib import admin
 from django.urls import include, path
@@ -7,11 +8,14 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from observability.metrics import MetricsView
 
+from .landing import favicon, landing
+
 urlpatterns = [
     # The streams before admin/: the admin's catch-all would otherwise answer the change feed.
     path("", include("realtime.urls")),
     path("admin/", admin.site.urls),
     path("", include("job_queue.api.agent_urls")),
+    path("api/admin/workers", include("job_queue.api.fleet_urls")),
     path("api/admin/workers", include("workers.api.admin_urls")),
     path("api/queue/", include("job_queue.api.urls")),
     path("api/audit/", include("audit.api.urls")),
@@ -19,6 +23,8 @@ urlpatterns = [
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
     path("api-auth/", include("rest_framework.urls")),
     path("metrics", MetricsView.as_view(), name="metrics"),
+    path("favicon.ico", favicon, name="favicon"),
+    path("", landing, name="landing"),
 ]
 
 handler404 = "common.http.not_found"

@@ -17,6 +17,7 @@ from django.contrib import admin
 from django.contrib.admin.utils import quote
 from django.contrib.auth.models import Permission
 from django.test import AsyncClient, RequestFactory
+from django.utils import timezone
 from django.urls import URLResolver, get_resolver, reverse
 from django_eventstream.models import Event
 from rest_framework.response import Response
@@ -26,7 +27,7 @@ from rest_framework.views import APIView
 from audit.models import AuditEvent
 from job_queue.models import Job, JobAttempt, JobStatus
 from job_queue.tests.factories import JobFactory, job_on_worker
-from workers.models import Token, Worker, hash_token
+from workers.models import Token, Worker, WorkerStatus, hash_token
 from worker_agent.protocol import STREAM_PATH
 from workers.tests.factories import UserFactory, WorkerFactory, api_token, worker_token
 
@@ -47,6 +48,8 @@ ROUTES = {
     "admin-worker": (OPERATOR, {"GET": "workers.view_worker", "DELETE": "workers.delete_worker"}, None),
     "admin-worker-drain": (OPERATOR, {"POST": "workers.drain_worker"}, None),
     "admin-worker-token": (OPERATOR, {"POST": "workers.rotate_worker_token"}, None),
+    "admin-worker-undrain": (OPERATOR, {"POST": "workers.drain_worker"}, None),
+    "admin-worker-labels": (OPERATOR, {"PUT": "workers.change_worker"}, None),
     "queue-list": (OPERATOR, {"GET": "queue.view_job"}, None),
     "queue-submit": (OPERATOR, {"POST": "queue.submit_job"}, None),
     "queue-job": (OPERATOR, {"GET": "queue.view_job"}, None),
@@ -57,8 +60,9 @@ ROUTES = {
     "api-docs": (OPERATOR, {"GET": SIGNED_IN}, None),
     "metrics": (OPERATOR, {"GET": SIGNED_IN}, None),  # SIMPLETUNER_METRICS=operators, the default
 }
-# Open to anyone by design: the browsable API's sign-in and sign-out pages.
-PUBLIC = {"login", "logout"}
+# Open to anyone by design: the browsable API's sign-in and sign-out pages; the landing page at / (links
+# only) and the favicon.
+PUBLIC = {"login", "logout", "landing", "favicon"}
 
 # (app_label.model, action) -> permission, for the admin of our apps. Actions are list actions,
 # "button:<name>" the detail page's buttons, "add" and "delete" the add and delete pages.
@@ -70,7 +74,11 @@ ADMIN_ACTIONS = {
     ("workers.worker", "delete_workers"): "workers.delete_worker",
     ("workers.worker", "button:drain"): "workers.drain_worker",
     ("workers.worker", "button:rotate"): "workers.rotate_worker_token",
+    ("workers.worker", "undrain_workers"): "workers.drain_worker",
+    ("workers.worker", "button:undrain"): "workers.drain_worker",
+    ("workers.worker", "button:labels"): "workers.change_worker",
     ("workers.token", "revoke_api_tokens"): "workers.manage_api_tokens",
+    ("workers.token", "add"): "workers.manage_api_tokens",
     ("queue.job", "add"): "queue.submit_job",
     ("queue.job", "cancel_jobs"): "queue.cancel_job",
     ("queue.job", "retry_jobs"): "queue.retry_job",
@@ -170,7 +178,7 @@ class World:
 
     def url(self, name, *, job=None, query=None):
         kwargs = {}
-        if name in ("admin-worker", "admin-worker-drain", "admin-worker-token"):
+        if name in ("admin-worker", "admin-worker-drain", "admin-worker-token", "admin-worker-undrain", "admin-worker-labels"):
             kwargs["worker_id"] = self.offline.pk
         if name == "worker-job-status":
             kwargs["job_id"] = self.a_job.pk
@@ -317,13 +325,14 @@ class AdminWorld:
     def __init__(self):
         self.worker = WorkerFactory(offline=True)
         worker_token(self.worker)
+        self.drained = WorkerFactory(status=WorkerStatus.DRAINING, drain_requested_at=timezone.now())
         self.job, self.failed = JobFactory(), JobFactory(status=JobStatus.FAILED)
         api_token(UserFactory())
         self.api_token = Token.objects.filter(kind="api").first()
 
     def target(self, label, action):
         if label == "workers.worker":
-            return self.worker
+            return self.drained if "undrain" in action else self.worker
         if label == "workers.token":
             return self.api_token
         return self.failed if "retry" in action else self.job
@@ -332,20 +341,29 @@ class AdminWorld:
 ADD_FORMS = {
     "workers.worker": {"name": "new-one", "worker_type": "persistent", "labels": ""},
     "queue.job": {"config_name": "c", "config": "{}", "target": "worker", "priority": "0"},
+    "workers.token": {"description": "matrix", "expires": "7"},  # user: the caller (set by admin_request)
 }
+
+
+BUTTON_FORMS = {"button:labels": {"labels": "team=matrix"}}
 
 
 def admin_request(client, label, action, target):
     app_label, model_name = label.split(".")
     changelist = reverse(f"admin:{app_label}_{model_name}_changelist")
     if action == "add":
-        return client.post(reverse(f"admin:{app_label}_{model_name}_add"), ADD_FORMS[label])
+        form = dict(ADD_FORMS[label])
+        if label == "workers.token":
+            form["user"] = client.session.get("_auth_user_id", "")
+        return client.post(reverse(f"admin:{app_label}_{model_name}_add"), form)
     if action == "delete":
         return client.post(reverse(f"admin:{app_label}_{model_name}_delete", args=[quote(target.pk)]), {"post": "yes"})
     if action.startswith("button:"):
         button = action.split(":", 1)[1]
-        return client.post(reverse(f"admin:{app_label}_{model_name}_{button}", args=[quote(target.pk)]))
-    return client.post(changelist, {"action": action, "_selected_action": [target.pk]})
+        url = reverse(f"admin:{app_label}_{model_name}_{button}", args=[quote(target.pk)])
+        return client.post(url, {"post": "yes", **BUTTON_FORMS.get(action, {})})
+    # Confirmed, as the "Yes" of the action's confirmation page posts it (without it nothing changes).
+    return client.post(changelist, {"action": action, "_selected_action": [target.pk], "post": "yes"})
 
 
 def admin_state():

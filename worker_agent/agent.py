@@ -268,6 +268,11 @@ class Agent(SessionMixin, JobsMixin):
         else:
             self._idle_drained()
 
+    def end_drain(self):
+        """The orchestrator put this worker back in service (an operator undrained it): take jobs again."""
+        self.draining = False
+        logger.info("Back in service: this worker takes jobs again")
+
     def _idle_drained(self):
         if not self.config.persistent:
             self.leave("ephemeral worker drained")

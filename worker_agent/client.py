@@ -7,6 +7,7 @@ from urllib.parse import urlsplit
 import requests
 
 from . import __version__, protocol
+from .scheme_probe import speaks_plain_http, speaks_tls
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +122,7 @@ class OrchestratorClient:
         # session-level setting, which would silently ignore --ca-cert and --ssl-no-verify.
         self.verify = verify
         self.worker_id = None
+        self._scheme_probed = False  # a wrong scheme is looked for once, at the first failure that suggests it
         self._local = threading.local()  # in_call: this thread is inside a call interrupt() may break
 
     def url(self, path):
@@ -207,12 +209,16 @@ class OrchestratorClient:
         try:
             response = self.session.request(method, url, timeout=timeout or self.timeout, verify=self.verify, **kwargs)
         except requests.exceptions.SSLError as exc:
+            self._wrong_scheme()
             raise self._tls_error(exc) from None
         except requests.exceptions.ConnectionError as exc:
+            if isinstance(exc, requests.exceptions.ConnectTimeout) or self._reason(exc) != "connection refused":
+                self._wrong_scheme()
             raise TransientError(
                 f"cannot reach the orchestrator at {self.base_url}: {self._reason(exc)}", fix=FIX_UNREACHABLE
             ) from None
         except requests.exceptions.Timeout:
+            self._wrong_scheme()
             raise TransientError(f"the orchestrator at {self.base_url} did not answer {method} {path} in time") from None
         except requests.exceptions.InvalidURL as exc:
             raise FatalError(f"invalid orchestrator URL {self.base_url!r}: {exc}") from None
@@ -241,6 +247,27 @@ class OrchestratorClient:
                 fix="pass the orchestrator's base URL, e.g. https://orchestrator.example.com:8001",
             )
         raise Rejected(f"{method} {path}: HTTP {status}{': ' + detail if detail else ''}", status=status)
+
+    def _wrong_scheme(self):
+        """Raise FatalError if the orchestrator's port speaks the other scheme than its URL says (probed once)."""
+        if self._scheme_probed:
+            return
+        self._scheme_probed = True
+        parts = urlsplit(self.base_url)
+        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+        if not host:
+            return
+        other = self.base_url.replace(f"{parts.scheme}://", "http://" if parts.scheme == "https" else "https://", 1)
+        if parts.scheme == "https" and speaks_plain_http(host, port):
+            raise FatalError(
+                f"{self.base_url} speaks plain HTTP, not HTTPS: the URL's scheme is wrong",
+                fix=f"use --orchestrator-url {other} (or start the orchestrator with --ssl)",
+            )
+        if parts.scheme == "http" and speaks_tls(host, port):
+            raise FatalError(
+                f"{self.base_url} speaks HTTPS, not plain HTTP: the URL's scheme is wrong",
+                fix=f"use --orchestrator-url {other} (with --ca-cert for a self-signed certificate)",
+            )
 
     def _tls_error(self, exc):
         text = str(exc)

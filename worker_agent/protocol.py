@@ -148,6 +148,7 @@ class _RegisterResponseBase(TypedDict):
 
 
 class RegisterResponse(_RegisterResponseBase, total=False):
+    name: str  # the name operators know the worker by (the agent's own --name may differ)
     resume_job: ResumeJob  # the job it reported is still its own: carry on
     abandon_job: str  # the job it reported is not its own any more: stop it
 

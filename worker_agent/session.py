@@ -166,16 +166,37 @@ class SessionMixin:
             self.worker_id,
             self.config.orchestrator_url,
         )
+        self._follow_the_workers_settings(result)
         acknowledged = self._reconcile(result)
         self.next_heartbeat = self.clock() + self.heartbeat_interval
         if not getattr(self.stream, "connected", False):
             self.stream.go()  # (a registration while the stream is up, after a given-up dispatch, keeps it)
         if result.get("draining"):
             self.start_drain("this worker is draining")
+        elif result.get("draining") is False and self.draining:
+            self.end_drain()
         elif self.current_job_id() is None and first:
             logger.info("Waiting for jobs")
         if acknowledged and self.pending_ack is acknowledged and self.exit_code is None:
             self._acknowledged("re-registering naming it resumed it")
+
+    def _follow_the_workers_settings(self, result):
+        """Say so when the orchestrator knows this worker by another name or type; follow its type."""
+        known_as = result.get("name")
+        if isinstance(known_as, str) and known_as and known_as != self.config.name:
+            logger.warning(
+                "The orchestrator knows this worker as %r, not %r (--name / SIMPLETUNER_WORKER_NAME); "
+                "operators see both", known_as, self.config.name
+            )
+        worker_type = result.get("worker_type")
+        persistent = {"persistent": True, "local": True, "ephemeral": False}.get(worker_type)
+        if persistent is not None and persistent != self.config.persistent:
+            logger.warning(
+                "This worker is %s on the orchestrator, but the agent was started %s: following the orchestrator "
+                "(%s)", worker_type, "with --persistent" if self.config.persistent else "without --persistent",
+                "stays online between jobs" if persistent else "exits after one job",
+            )
+            self.config.persistent = persistent
 
     def _reconcile(self, result):
         """Apply ``resume_job``/``abandon_job``; return the pending dispatch the answer acknowledged, or None."""
@@ -235,6 +256,8 @@ class SessionMixin:
         self.unreachable_since = None
         if result.get("draining"):
             self.start_drain("this worker is draining")
+        elif result.get("draining") is False and self.draining:
+            self.end_drain()
         if ack is not None and self.pending_ack is ack and self.exit_code is None:
             held = result.get("current_job_id")
             # A server that says which attempt it holds acknowledged only that one (an older one says nothing).

@@ -1,12 +1,14 @@
-"""The Workers page: the fleet with live statuses; add a worker (token shown once), drain, rotate, delete.
+"""The Workers page: the fleet with live statuses; add a worker (token shown once), drain, delete.
 
 Nothing here writes a worker: every action calls the same service as the API (workers.services),
 so the audit rows and the events an agent receives are identical whichever way an operator acts.
+Each action first shows what it will change and asks for confirmation. Rotating a token reaches the
+worker's job too, so that action is added by ``job_queue.worker_admin``, which registers this page.
 """
 
 from django import forms
 from django.contrib import admin, messages
-from django.contrib.admin.utils import unquote
+from django.contrib.admin.utils import quote, unquote
 from django.core.exceptions import PermissionDenied
 from django.db.models.fields.json import KeyTransform
 from django.http import Http404
@@ -24,6 +26,9 @@ from common.admin_kit import (
     OperatorPermissionsMixin,
     admin_link,
     ago_html,
+    changelist_url,
+    confirmation_page,
+    confirmed,
     form_page,
     pretty_json_html,
     run_service_on_each,
@@ -32,15 +37,14 @@ from common.admin_kit import (
 from common.errors import InvalidInput, ServiceError
 
 from . import permissions
-from .models import Token, TokenKind, Worker, WorkerStatus, WorkerType
+from . import token_admin  # noqa: F401 (registers the Tokens page)
+from .models import Worker, WorkerStatus, WorkerType
 from .onboarding import CREATABLE_TYPES, agent_command_line, parse_label_pairs
 from .services import (
-    api_tokens_revoke,
     worker_create,
     worker_delete,
     worker_delete_refusal,
     worker_drain,
-    worker_rotate_token,
 )
 
 LABEL_CHOICES_MAX = 200
@@ -99,25 +103,24 @@ class WorkerAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMi
     search_fields = ["name", "=id", "hostname", "gpu_name"]
     list_select_related = ["current_job"]
     list_per_page = 100
-    actions = ["drain_workers", "rotate_token", "delete_workers"]
-    object_buttons = ("drain", "rotate")
+    actions = ["drain_workers", "delete_workers"]
+    object_buttons = ("drain",)
     operator_permissions = {
         "view": permissions.VIEW_WORKERS,
         "add": permissions.CREATE_WORKERS,
         "drain": permissions.DRAIN_WORKERS,
-        "rotate": permissions.ROTATE_WORKER_TOKENS,
         "delete": permissions.DELETE_WORKERS,
     }
     change_form_template = "admin/workers/worker/change_form.html"
     fieldsets = [
         (None, {"fields": ["id", "name", "status_display", "worker_type", "labels_display", "current_job_display"]}),
-        ("Machine", {"fields": ["hostname", "agent_version", "gpus", "accelerator_type", "gpu_info_display", "metrics_display"]}),
+        ("Machine", {"fields": ["hostname", "agent_version", "agent_display", "gpus", "accelerator_type", "gpu_info_display", "metrics_display"]}),
         ("Connection", {"fields": ["heartbeat", "connected_at", "stream_opened_at", "status_changed_at", "drain_requested_at", "tokens_display"]}),
         ("History", {"fields": ["created_at", "created_by", "recent_jobs", "audit_trail"]}),
     ]
     readonly_fields = [
         "id", "name", "status_display", "worker_type", "labels_display", "current_job_display", "hostname",
-        "agent_version", "gpus", "accelerator_type", "gpu_info_display", "metrics_display", "heartbeat",
+        "agent_version", "agent_display", "gpus", "accelerator_type", "gpu_info_display", "metrics_display", "heartbeat",
         "connected_at", "stream_opened_at", "status_changed_at", "drain_requested_at", "tokens_display",
         "created_at", "created_by", "recent_jobs", "audit_trail",
     ]  # fmt: skip
@@ -126,9 +129,6 @@ class WorkerAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMi
 
     def has_drain_permission(self, request):
         return self.may(request, "drain")
-
-    def has_rotate_permission(self, request):
-        return self.may(request, "rotate")
 
     def get_actions(self, request):
         actions = super().get_actions(request)
@@ -142,6 +142,8 @@ class WorkerAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMi
         note = "drain requested" if worker.is_draining and worker.status != WorkerStatus.DRAINING else ""
         if worker.status == WorkerStatus.IDLE and not worker.has_stream:
             note = "no open stream"
+        elif not note and worker.agent_name and worker.agent_name != worker.name:
+            note = f"agent calls itself {worker.agent_name}"
         return status_badge(worker.status, worker.get_status_display(), note=note)
 
     @admin.display(description="GPUs", ordering="gpu_count")
@@ -168,6 +170,22 @@ class WorkerAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMi
     @admin.display(description="Last heartbeat", ordering="last_heartbeat")
     def heartbeat(self, worker):
         return ago_html(worker.last_heartbeat)
+
+    @admin.display(description="Agent says")
+    def agent_display(self, worker):
+        if not worker.agent_name and worker.agent_persistent is None:
+            return format_html('<span class="st-muted">{}</span>', "nothing yet (not registered)")
+        said = format_html(
+            "name {} · {}",
+            worker.agent_name or "—",
+            "unknown type" if worker.agent_persistent is None else ("persistent" if worker.agent_persistent else "ephemeral"),
+        )
+        notes = worker.agent_notes()
+        if not notes:
+            return said
+        return format_html(
+            '{}{}', said, format_html_join("", '<div class="st-warning st-agent-note">{}</div>', ((n,) for n in notes))
+        )
 
     @admin.display(description="GPU info")
     def gpu_info_display(self, worker):
@@ -238,35 +256,66 @@ class WorkerAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMi
         response["Cache-Control"] = "no-store"  # the token must not come back from a cache or history
         return response
 
-    # --- actions (list) and buttons (detail page) -------------------------------------------------
+    # --- actions (list) and buttons (detail page): each asks for confirmation first ---------------
 
     @admin.action(description="Drain selected workers (finish the current job, take no new one)", permissions=["drain"])
     def drain_workers(self, request, queryset):
+        workers = list(queryset.select_related("current_job"))
+        if not confirmed(request):
+            return self._confirm_drain(request, workers, action="drain_workers", back_url=changelist_url(self))
         run_service_on_each(
-            self, request, queryset, lambda w: worker_drain(worker_id=w.pk, actor=Actor.for_request(request)), done="Draining"
+            self, request, workers, lambda w: worker_drain(worker_id=w.pk, actor=Actor.for_request(request)), done="Draining"
         )
-
-    @admin.action(description="Rotate the token of the selected worker (shown once)", permissions=["rotate"])
-    def rotate_token(self, request, queryset):
-        workers = list(queryset[:2])
-        if len(workers) != 1:
-            self.message_user(request, "Select exactly one worker to rotate its token.", messages.WARNING)
-            return None
-        return self._rotate(request, workers[0])
+        return None
 
     @admin.action(description="Delete selected workers (offline ones only)", permissions=["delete"])
     def delete_workers(self, request, queryset):
+        workers = list(queryset)
+        if not confirmed(request):
+            rows, refused = [], []
+            for worker in workers:
+                refusal = worker_delete_refusal(worker)
+                if refusal:
+                    refused.append((str(worker), refusal))
+                else:
+                    rows.append((str(worker), delete_changes(worker)))
+            return confirmation_page(
+                self,
+                request,
+                title="Delete workers",
+                question="Delete these workers? Only offline (or never connected) workers can be deleted.",
+                rows=rows,
+                refused=refused,
+                confirm_label="Yes, delete them",
+                back_url=changelist_url(self),
+                action="delete_workers",
+                objects=[w for w in workers if not worker_delete_refusal(w)],
+            )
         run_service_on_each(
-            self, request, queryset, lambda w: worker_delete(worker_id=w.pk, actor=Actor.for_request(request)), done="Deleted"
+            self, request, workers, lambda w: worker_delete(worker_id=w.pk, actor=Actor.for_request(request)), done="Deleted"
         )
+        return None
 
-    def _rotate(self, request, worker):
-        try:
-            token = worker_rotate_token(worker_id=worker.pk, actor=Actor.for_request(request))
-        except ServiceError as exc:
-            self.message_user(request, f"Refused: {exc.detail}", messages.ERROR)
-            return None
-        return self._token_page(request, worker, token, "has a new token")
+    def _confirm_drain(self, request, workers, *, action=None, back_url):
+        rows, refused = [], []
+        for worker in workers:
+            changes = drain_changes(worker)
+            if changes:
+                rows.append((str(worker), changes))
+            else:
+                refused.append((str(worker), "already draining: nothing changes"))
+        return confirmation_page(
+            self,
+            request,
+            title="Drain workers" if action else f"Drain {workers[0].name}",
+            question="Drain? A draining worker finishes its current job and takes no new one, until it is put back in service.",
+            rows=rows,
+            refused=refused,
+            confirm_label="Yes, drain",
+            back_url=back_url,
+            action=action,
+            objects=workers,
+        )
 
     def _worker_or_404(self, request, worker_id):
         worker = self.get_object(request, worker_id)
@@ -276,14 +325,12 @@ class WorkerAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMi
 
     def drain_view(self, request, worker_id):
         worker = self._worker_or_404(request, worker_id)
+        if not confirmed(request):
+            return self._confirm_drain(request, [worker], back_url=reverse("admin:workers_worker_change", args=[quote(worker.pk)]))
         run_service_on_each(
             self, request, [worker], lambda w: worker_drain(worker_id=w.pk, actor=Actor.for_request(request)), done="Draining"
         )
         return self.change_page(worker.pk)
-
-    def rotate_view(self, request, worker_id):
-        worker = self._worker_or_404(request, worker_id)
-        return self._rotate(request, worker) or self.change_page(worker.pk)
 
     def change_view(self, request, object_id, form_url="", extra_context=None):
         buttons = {f"can_{action}": self.may(request, action) for action in ("drain", "rotate", "delete")}
@@ -316,38 +363,24 @@ class WorkerAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMi
         return super().delete_view(request, object_id, extra_context)
 
 
-@admin.register(Token)
-class TokenAdmin(OperatorPermissionsMixin, admin.ModelAdmin):
-    list_display = ["prefix", "kind", "worker", "user", "created_at", "last_used_at", "revoked_at"]
-    list_filter = ["kind"]
-    readonly_fields = ["kind", "prefix", "worker", "user", "description", "created_at", "last_used_at", "revoked_at"]
-    exclude = ["digest"]
-    actions = ["revoke_api_tokens"]
-    # No add (tokens are issued by create_api_token or with their worker) and no delete: rotate a
-    # worker's token instead (audited, and it closes the streams opened with it); revoke an operator's.
-    operator_permissions = {"view": permissions.VIEW_TOKENS, "revoke": permissions.MANAGE_API_TOKENS}
+def drain_changes(worker):
+    """Return what draining ``worker`` changes, for its confirmation; empty when it drains already."""
+    if worker.is_draining:
+        return []
+    job = worker.current_job
+    changes = [f"status {worker.status} → draining" if worker.status != WorkerStatus.OFFLINE else "it comes back draining"]
+    if job is not None:
+        changes.append(f"it finishes its current job {job.pk} ({job.config_name}), then takes no new one")
+    else:
+        changes.append("it takes no new job")
+    changes.append("its agent is sent a drain event (an ephemeral agent then leaves)")
+    return changes
 
-    def has_revoke_permission(self, request):
-        return self.may(request, "revoke")
 
-    def get_actions(self, request):
-        actions = super().get_actions(request)
-        actions.pop("delete_selected", None)
-        return actions
-
-    @admin.action(description="Revoke selected operator API tokens", permissions=["revoke"])
-    def revoke_api_tokens(self, request, queryset):
-        if queryset.filter(kind=TokenKind.WORKER).exists():
-            self.message_user(
-                request, "Refused: worker tokens are rotated from their worker's page, not revoked here.", messages.ERROR
-            )
-            return
-        revoked = api_tokens_revoke(
-            token_ids=list(queryset.values_list("pk", flat=True)), actor=Actor.for_request(request)
-        )
-        if revoked:
-            self.message_user(
-                request, f"Revoked {len(revoked)} API token(s): {', '.join(t.prefix for t in revoked)}", messages.SUCCESS
-            )
-        else:
-            self.message_user(request, "Nothing to revoke: those tokens were revoked already.", messages.INFO)
+def delete_changes(worker):
+    """Return what deleting ``worker`` changes, for its confirmation."""
+    tokens = worker.tokens.count()
+    return [
+        f"the worker and its {tokens} token(s) are deleted",
+        "its jobs, their attempts and the audit trail are kept (they keep its name)",
+    ]

@@ -31,8 +31,13 @@ WORKER_ONLINE = frozenset({WorkerStatus.IDLE, WorkerStatus.BUSY, WorkerStatus.DR
 # Allowed transitions: target -> statuses it may be entered from. Self-transitions are not listed;
 # services treat "already there" explicitly where it is legal (e.g. re-registration of an idle worker).
 WORKER_TRANSITIONS = {
-    WorkerStatus.IDLE: frozenset({WorkerStatus.CONNECTING, WorkerStatus.OFFLINE, WorkerStatus.BUSY, WorkerStatus.IDLE}),
-    WorkerStatus.BUSY: frozenset({WorkerStatus.CONNECTING, WorkerStatus.OFFLINE, WorkerStatus.IDLE, WorkerStatus.BUSY}),
+    # From draining only when an operator puts the worker back in service (undrain).
+    WorkerStatus.IDLE: frozenset(
+        {WorkerStatus.CONNECTING, WorkerStatus.OFFLINE, WorkerStatus.BUSY, WorkerStatus.IDLE, WorkerStatus.DRAINING}
+    ),
+    WorkerStatus.BUSY: frozenset(
+        {WorkerStatus.CONNECTING, WorkerStatus.OFFLINE, WorkerStatus.IDLE, WorkerStatus.BUSY, WorkerStatus.DRAINING}
+    ),
     WorkerStatus.DRAINING: frozenset(
         {WorkerStatus.CONNECTING, WorkerStatus.OFFLINE, WorkerStatus.IDLE, WorkerStatus.BUSY, WorkerStatus.DRAINING}
     ),
@@ -57,14 +62,21 @@ class Worker(models.Model):
     gpu_info = models.JSONField(default=dict, blank=True, help_text="Capabilities exactly as the agent reported them.")
     hostname = models.CharField(max_length=255, blank=True, default="")
     agent_version = models.CharField(max_length=64, blank=True, default="")
+    # What the agent says of itself at registration (its --name and --persistent), shown beside the worker's own.
+    agent_name = models.CharField(max_length=128, blank=True, default="")
+    agent_persistent = models.BooleanField(null=True, blank=True)
     metrics = models.JSONField(default=dict, blank=True, help_text="Utilisation from the latest heartbeat.")
 
     current_job = models.OneToOneField(
         "queue.Job", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
     drain_requested_at = models.DateTimeField(null=True, blank=True)
-    # The SSE stream currently serving this worker (any process); null when none is open.
+    # The SSE stream currently serving this worker (any process): the newest of ``open_streams``;
+    # null when none is open.
     stream_id = models.CharField(max_length=40, null=True, blank=True)
+    # Every stream open for this worker, oldest first: [{"id": stream id, "process": server process id}].
+    # A second stream (a curl beside the agent) never hides the first: when one closes, the newest left serves.
+    open_streams = models.JSONField(default=list, blank=True)
     stream_opened_at = models.DateTimeField(null=True, blank=True)
 
     last_heartbeat = models.DateTimeField(null=True, blank=True, db_index=True)
@@ -100,6 +112,18 @@ class Worker(models.Model):
     @property
     def never_connected(self):
         return self.connected_at is None
+
+    def agent_notes(self):
+        """Return where the agent's own word (its --name, --persistent) differs from the worker, one sentence each."""
+        notes = []
+        if self.agent_name and self.agent_name != self.name:
+            notes.append(f"its agent calls itself {self.agent_name!r} (--name); it is registered as {self.name!r}")
+        persistent = self.worker_type in (WorkerType.PERSISTENT, WorkerType.LOCAL)
+        if self.agent_persistent is not None and self.agent_persistent != persistent:
+            said = "persistent (--persistent)" if self.agent_persistent else "ephemeral (no --persistent)"
+            follows = "stays online between jobs" if persistent else "exits after one job"
+            notes.append(f"its agent was started {said}; it follows the worker's type, {self.worker_type}, and {follows}")
+        return notes
 
 
 class TokenKind(models.TextChoices):
@@ -142,6 +166,7 @@ class Token(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     last_used_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
+    expires_at = models.DateTimeField(null=True, blank=True, help_text="Refused from this moment on; never if empty.")
 
     class Meta:
         permissions = [("manage_api_tokens", "Can manage operators' API tokens (revoke them)")]
@@ -161,6 +186,12 @@ class Token(models.Model):
     @property
     def is_active(self):
         return self.revoked_at is None
+
+    def state(self, now):
+        """Return ``revoked``, ``expired`` or ``active`` at ``now``."""
+        if self.revoked_at is not None:
+            return "revoked"
+        return "expired" if self.expires_at is not None and self.expires_at <= now else "active"
 
 
 class ServerPresence(models.Model):

@@ -7,6 +7,7 @@ import logging
 import math
 from datetime import timedelta
 
+from django.db import transaction
 from django.utils import timezone
 
 from audit import actions
@@ -29,6 +30,7 @@ from .models import (
     hash_token,
     token_display_prefix,
 )
+from .streams import live_server_processes, newest_stream_id, server_process_id, streams_with, streams_without
 from .transitions import workers_transition
 
 logger = logging.getLogger(__name__)
@@ -39,7 +41,7 @@ TOKEN_TOUCH_INTERVAL_S = 60
 # --- tokens --------------------------------------------------------------------------------------
 
 
-def token_issue(*, kind, worker=None, user=None, description=""):
+def token_issue(*, kind, worker=None, user=None, description="", expires_at=None):
     """Create a token and return ``(token, plaintext)``; the plaintext exists only in this return value."""
     plaintext = generate_token(kind)
     token = Token.objects.create(
@@ -49,12 +51,13 @@ def token_issue(*, kind, worker=None, user=None, description=""):
         worker=worker,
         user=user,
         description=description,
+        expires_at=expires_at,
     )
     return token, plaintext
 
 
 def token_authenticate(*, kind, plaintext):
-    """Return the active token of ``kind`` whose secret is ``plaintext``, or None.
+    """Return the active token of ``kind`` whose secret is ``plaintext``, or None (revoked, or expired).
 
     Marks the token used (at most once a minute, so heartbeats do not write on every call).
     """
@@ -65,24 +68,33 @@ def token_authenticate(*, kind, plaintext):
         kind=kind, digest=hash_token(plaintext), revoked_at__isnull=True
     )
     token = qs.first()
-    if token is None:
-        return None
     now = timezone.now()
+    if token is None or (token.expires_at is not None and token.expires_at <= now):
+        return None
     if token.last_used_at is None or (now - token.last_used_at).total_seconds() > TOKEN_TOUCH_INTERVAL_S:
         Token.objects.filter(pk=token.pk).update(last_used_at=now)
     return token
 
 
-def api_token_create(*, user, actor, description=""):
-    """Issue an operator API token for ``user``; return the plaintext (shown once)."""
+def api_token_create(*, user, actor, description="", expires_at=None):
+    """Issue an operator API token for ``user`` (refused from ``expires_at`` on, if given); return the
+    plaintext (shown once). Raise InvalidInput for an expiry not in the future or an inactive user."""
+    if expires_at is not None and expires_at <= timezone.now():
+        raise InvalidInput("the expiry must be in the future", code="invalid_expiry")
+    if not user.is_active:
+        raise InvalidInput(f"user {user.get_username()} is inactive", code="inactive_user")
     with audited_atomic():
-        token, plaintext = token_issue(kind=TokenKind.API, user=user, description=description)
+        token, plaintext = token_issue(kind=TokenKind.API, user=user, description=description, expires_at=expires_at)
         audit_record(
             actor=actor,
             action=actions.API_TOKEN_CREATED,
             target_type="user",
             target_id=user.pk,
-            details={"username": user.get_username(), "token_prefix": token.prefix},
+            details={
+                "username": user.get_username(),
+                "token_prefix": token.prefix,
+                "expires_at": expires_at.isoformat() if expires_at else None,
+            },
         )
     return plaintext
 
@@ -124,7 +136,8 @@ def lock_worker(worker_id):
 # --- operator actions -----------------------------------------------------------------------------
 
 
-def _clean_labels(labels):
+def clean_worker_labels(labels):
+    """Return a worker's labels by the label rules; raise InvalidInput (``invalid_labels``)."""
     try:
         return clean_labels(labels)
     except ValueError as exc:
@@ -147,7 +160,7 @@ def worker_create(*, name, worker_type=WorkerType.PERSISTENT, labels=None, actor
     name = _clean_name(name)
     if worker_type not in WorkerType.values:
         raise InvalidInput(f"worker_type must be one of {', '.join(WorkerType.values)}", code="invalid_worker_type")
-    labels = _clean_labels(labels)
+    labels = clean_worker_labels(labels)
     with audited_atomic():
         if Worker.objects.filter(name=name).exists():
             raise Conflict(f"a worker named {name!r} already exists", code="name_taken")
@@ -325,6 +338,8 @@ def parse_capabilities(data):
         "gpu_info": raw,
         "hostname": str(data.get("hostname") or "")[:255],
         "agent_version": str(data.get("agent_version") or data.get("version") or "")[:64],
+        "agent_name": clean_text(str(data.get("name") or ""))[:128],
+        "agent_persistent": data.get("persistent") if isinstance(data.get("persistent"), bool) else None,
     }
 
 
@@ -340,9 +355,28 @@ def worker_register_failed(*, reason, token_prefix, ip, name=""):
         )
 
 
+def worker_stream_opened_fields(worker, *, stream_id, now):
+    """Return the fields that record a new stream ``stream_id`` for the locked ``worker`` (its newest,
+    so its current one); the worker's other open streams stay listed, those of dead processes go."""
+    entries = streams_with(
+        worker.open_streams,
+        stream_id=stream_id,
+        process=server_process_id(),
+        live=live_server_processes(now=now, interval=presence_interval()),
+    )
+    return {"stream_id": stream_id, "stream_opened_at": now, "open_streams": entries}
+
+
 def worker_stream_closed(*, worker_id, stream_id):
-    """Forget the stream ``stream_id`` if it is still the worker's current one."""
-    Worker.objects.filter(pk=worker_id, stream_id=stream_id).update(stream_id=None)
+    """Forget the stream ``stream_id``: the worker's current stream becomes the newest one still open
+    (None when none is), so closing a second stream never strands a worker whose first is open."""
+    with transaction.atomic():
+        worker = Worker.objects.select_for_update().filter(pk=worker_id).first()
+        if worker is None:
+            return
+        remaining = streams_without(worker.open_streams, stream_id)
+        current = newest_stream_id(remaining) or (None if worker.stream_id == stream_id else worker.stream_id)
+        Worker.objects.filter(pk=worker_id).update(open_streams=remaining, stream_id=current)
 
 
 def heartbeat_interval():

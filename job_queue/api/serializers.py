@@ -3,6 +3,7 @@
 from rest_framework import serializers
 
 from common.fields import BoundedInt, BoundedJSON, BoundedText, Labels, StrictBoolean
+from common.http import api_url
 from common.inputs import GPU_COUNT_MAX
 
 from ..models import Job, JobAttempt, JobTarget
@@ -34,11 +35,13 @@ class JobSerializer(serializers.ModelSerializer):
     retry_of = serializers.CharField(source="retry_of_id", allow_null=True, read_only=True)
     submitted_by = serializers.SerializerMethodField()
     waiting_reason = serializers.SerializerMethodField()
+    url = serializers.SerializerMethodField(help_text="This job's own address in the API.")
 
     class Meta:
         model = Job
         fields = [
             "id",
+            "url",
             "config_name",
             "config",
             "dataloader",
@@ -69,6 +72,9 @@ class JobSerializer(serializers.ModelSerializer):
 
     def get_submitted_by(self, job) -> str | None:
         return job.submitted_by.get_username() if job.submitted_by_id and job.submitted_by else None
+
+    def get_url(self, job) -> str:
+        return api_url(self.context.get("request"), "queue-job", job_id=job.pk)
 
     def get_waiting_reason(self, job) -> str | None:
         if not self.context.get("with_reason"):

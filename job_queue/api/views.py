@@ -28,11 +28,11 @@ class JobSubmitView(APIView):
         serializer = JobSubmitSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         job, dispatched = services.job_submit(**serializer.validated_data, actor=Actor.for_request(request))
-        return _submitted(job, dispatched)
+        return _submitted(request, job, dispatched)
 
 
-def _submitted(job, dispatched):
-    body = JobSerializer(job, context={"with_reason": True}).data
+def _submitted(request, job, dispatched):
+    body = JobSerializer(job, context={"with_reason": True, "request": request}).data
     body["dispatched"] = dispatched
     body["job_id"] = job.pk
     return Response(body, status=status.HTTP_201_CREATED)
@@ -62,6 +62,10 @@ class JobListView(ListAPIView):
             jobs = jobs.filter(worker_id=worker)
         return jobs
 
+    def get_serializer_context(self):
+        # Each queued job says why it waits, as its own page does (one short read per queued job).
+        return {**super().get_serializer_context(), "with_reason": True}
+
 
 class JobDetailView(APIView):
     operator_permissions = {"GET": permissions.VIEW_JOBS}
@@ -75,7 +79,7 @@ class JobDetailView(APIView):
         job = Job.objects.select_related("submitted_by").prefetch_related("attempts").filter(pk=job_id).first()
         if job is None:
             raise NotFound(f"job {job_id} does not exist")
-        return Response(JobDetailSerializer(job, context={"with_reason": True}).data)
+        return Response(JobDetailSerializer(job, context={"with_reason": True, "request": request}).data)
 
 
 class JobCancelView(APIView):
@@ -89,7 +93,7 @@ class JobCancelView(APIView):
     )
     def post(self, request, job_id):
         job = services.job_cancel(job_id=job_id, actor=Actor.for_request(request))
-        return Response(JobSerializer(job).data)
+        return Response(JobSerializer(job, context={"request": request}).data)
 
 
 class JobRetryView(APIView):
@@ -103,4 +107,4 @@ class JobRetryView(APIView):
     )
     def post(self, request, job_id):
         job, dispatched = services.job_retry(job_id=job_id, actor=Actor.for_request(request))
-        return _submitted(job, dispatched)
+        return _submitted(request, job, dispatched)

@@ -283,7 +283,7 @@ def test_cancel_a_running_job_tells_its_worker(admin_client, commit):
     job = job_on_worker(worker)
 
     with commit():
-        response = admin_client.post(admin_url(job, "cancel"))
+        response = admin_client.post(admin_url(job, "cancel"), {"post": "yes"})
 
     assert (response.status_code, response["Location"]) == (302, admin_url(job))
     assert admin_messages(response) == [f"Cancelled {job.pk}."]
@@ -301,7 +301,7 @@ def test_cancel_action_cancels_each_selected_job(admin_client, commit):
     queued, running, untouched = JobFactory(), job_on_worker(worker), JobFactory()
 
     with commit():
-        response = post_action(admin_client, LIST, "cancel_jobs", [queued, running])
+        response = post_action(admin_client, LIST, "cancel_jobs", [queued, running], post="yes")
 
     assert response.status_code == 302
     (message,) = admin_messages(response)
@@ -318,9 +318,9 @@ def test_cancelling_a_finished_job_is_refused(admin_client, commit, how):
 
     with commit():
         if how == "button":
-            response = admin_client.post(admin_url(job, "cancel"))
+            response = admin_client.post(admin_url(job, "cancel"), {"post": "yes"})
         else:
-            response = post_action(admin_client, LIST, "cancel_jobs", [job])
+            response = post_action(admin_client, LIST, "cancel_jobs", [job], post="yes")
 
     assert admin_messages(response) == [f"Refused: job {job.pk} already completed"]
     job.refresh_from_db()
@@ -334,7 +334,7 @@ def test_cancel_and_retry_urls_refuse_get_and_anonymous(admin_client, client):
 
     assert admin_client.get(admin_url(job, "cancel")).status_code == 403
     assert admin_client.get(admin_url(job, "retry")).status_code == 403
-    anonymous = client.post(admin_url(job, "retry"))
+    anonymous = client.post(admin_url(job, "retry"), {"post": "yes"})
     assert anonymous.status_code == 302 and "/admin/login/" in anonymous["Location"]
     assert Job.objects.count() == 1
     assert audit_rows() == []
@@ -353,10 +353,10 @@ def test_staff_who_may_only_view_jobs_can_look_but_not_touch(staff_client, commi
     with commit():
         assert client.get(ADD).status_code == 403
         assert client.post(ADD, submission()).status_code == 403
-        assert client.post(admin_url(queued, "cancel")).status_code == 403
-        assert client.post(admin_url(failed, "retry")).status_code == 403
-        post_action(client, LIST, "cancel_jobs", [queued])
-        post_action(client, LIST, "retry_jobs", [failed])
+        assert client.post(admin_url(queued, "cancel"), {"post": "yes"}).status_code == 403
+        assert client.post(admin_url(failed, "retry"), {"post": "yes"}).status_code == 403
+        post_action(client, LIST, "cancel_jobs", [queued], post="yes")
+        post_action(client, LIST, "retry_jobs", [failed], post="yes")
 
     assert sorted(Job.objects.values_list("pk", "status")) == sorted([(queued.pk, "queued"), (failed.pk, "failed")])
     assert audit_rows() == []
@@ -372,8 +372,8 @@ def test_each_job_action_needs_its_own_permission(staff_client, commit, permissi
 
     assert action_names(client.get(LIST)) == {f"{action}_jobs" for action in may}
     with commit():
-        cancel = client.post(admin_url(queued, "cancel"))
-        retry = client.post(admin_url(failed, "retry"))
+        cancel = client.post(admin_url(queued, "cancel"), {"post": "yes"})
+        retry = client.post(admin_url(failed, "retry"), {"post": "yes"})
 
     assert cancel.status_code == (302 if "cancel" in may else 403)
     assert retry.status_code == (302 if "retry" in may else 403)
@@ -401,7 +401,7 @@ def test_retry_submits_a_new_job_with_the_same_settings(admin_client, commit):
     original = JobFactory(status=JobStatus.FAILED, worker_labels={"gpu_type": "a1*"}, priority=5, config={"lr": 1})
 
     with commit():
-        response = admin_client.post(admin_url(original, "retry"))
+        response = admin_client.post(admin_url(original, "retry"), {"post": "yes"})
 
     retry = Job.objects.exclude(pk=original.pk).get()
     assert (response.status_code, response["Location"]) == (302, admin_url(retry))
@@ -423,7 +423,7 @@ def test_retry_action_reports_the_new_jobs(admin_client, commit):
     )
 
     with commit():
-        response = post_action(admin_client, LIST, "retry_jobs", [failed, cancelled, completed])
+        response = post_action(admin_client, LIST, "retry_jobs", [failed, cancelled, completed], post="yes")
 
     retries = {job.retry_of_id: job.pk for job in Job.objects.filter(retry_of__isnull=False)}
     assert set(retries) == {failed.pk, cancelled.pk}
@@ -438,7 +438,7 @@ def test_retrying_an_unfinished_or_completed_job_is_refused(admin_client, commit
     job = JobFactory(status=status)
 
     with commit():
-        response = admin_client.post(admin_url(job, "retry"))
+        response = admin_client.post(admin_url(job, "retry"), {"post": "yes"})
 
     assert (response.status_code, response["Location"]) == (302, admin_url(job))
     assert admin_messages(response) == [

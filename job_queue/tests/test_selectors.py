@@ -93,3 +93,12 @@ def test_earlier_jobs_of_equal_or_higher_priority_go_first():
     job = JobFactory(priority=0, submitted_at=start + timedelta(minutes=3))
 
     assert job_waiting_reason(job) == "2 matching workers idle; 2 earlier job(s) go first"
+
+
+def test_an_auto_job_with_labels_says_the_local_worker_does_not_match_them():
+    WorkerFactory(worker_type=WorkerType.LOCAL, name="local@here", labels={})
+    job = JobFactory(target=JobTarget.AUTO, worker_labels={"team": "vision"})
+    reason = job_waiting_reason(job)
+    assert reason.startswith("no worker with >= 0 GPUs matches labels team=vision; auto falls back to the local worker only")
+    local_matches = JobFactory(target=JobTarget.AUTO, worker_labels={})
+    assert "auto falls back" not in (job_waiting_reason(local_matches) or "")

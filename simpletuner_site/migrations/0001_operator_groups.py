@@ -22,6 +22,7 @@ OPERATOR = VIEWER + (
 )
 ADMIN = OPERATOR + (
     "workers.add_worker",
+    "workers.change_worker",  # its labels (added with 0002, which runs this again for existing databases)
     "workers.delete_worker",
     "workers.rotate_worker_token",
     "workers.view_token",

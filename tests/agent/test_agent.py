@@ -418,6 +418,20 @@ def test_heartbeat_saying_draining_drains():
     assert agent.exit_code == 0
 
 
+def test_a_heartbeat_saying_not_draining_any_more_puts_the_agent_back_in_service(caplog):
+    agent = registered()
+    agent.client.script("heartbeat", {"status": "draining", "draining": True})
+    agent.clock.now = agent.next_heartbeat
+    agent.tick()
+    assert agent.draining
+    agent.client.script("heartbeat", {"status": "idle", "draining": False})
+    agent.clock.now = agent.next_heartbeat
+    with caplog.at_level("INFO"):
+        agent.tick()
+    assert not agent.draining and agent.exit_code is None
+    assert "Back in service: this worker takes jobs again" in caplog.text
+
+
 def test_first_signal_finishes_the_job_then_exits():
     agent = registered()
     run = submit(agent)
@@ -1057,3 +1071,21 @@ def test_first_sigterm_does_not_interrupt_calls_while_a_trainer_runs():
     agent.on_os_signal(signal.SIGTERM)
     assert interrupted == [1]  # the second stops the job now
     assert Interrupted.__mro__[1] is BaseException
+
+
+def test_the_agent_follows_the_workers_type_and_says_when_its_name_differs(caplog):
+    agent = make_agent(persistent=False)
+    agent.client.script("register", {"worker_id": "w_1", "status": "idle", "worker_type": "persistent", "name": "gpu-one"})
+    with caplog.at_level("WARNING"):
+        agent.tick()
+    assert agent.registered and agent.config.persistent is True
+    assert "This worker is persistent on the orchestrator, but the agent was started without --persistent" in caplog.text
+    assert "The orchestrator knows this worker as 'gpu-one', not 'gpu-1'" in caplog.text
+
+
+def test_an_agent_agreeing_with_its_worker_says_nothing(caplog):
+    agent = make_agent(persistent=True)
+    agent.client.script("register", {"worker_id": "w_1", "status": "idle", "worker_type": "persistent", "name": "gpu-1"})
+    with caplog.at_level("WARNING"):
+        agent.tick()
+    assert agent.config.persistent is True and "orchestrator knows" not in caplog.text and "following" not in caplog.text

@@ -102,6 +102,8 @@ def test_operator_adds_a_worker_watches_it_work_drains_and_rotates(logged_in_pag
     # Drain from the worker's page.
     page.goto(f"{WORKERS}{quote(worker_id)}/change/")
     page.locator("#drain-worker").click()
+    expect(page.locator("#confirm-changes")).to_contain_text("it takes no new job")  # asked first
+    page.locator("#confirm-yes").click()
     expect(page.locator(".messagelist")).to_contain_text(f"Draining: {name}")
     expect(page.locator(".field-status_display")).to_contain_text("Draining")
 
@@ -114,6 +116,8 @@ def test_operator_adds_a_worker_watches_it_work_drains_and_rotates(logged_in_pag
 
     # Rotate: a new token, shown once; the old one stops working and the agent is told so.
     page.locator("#rotate-token").click()
+    expect(page.locator("#confirm-changes")).to_contain_text("must be restarted with the new token")
+    page.locator("#confirm-yes").click()
     expect(page.locator("#content-main h2")).to_contain_text("has a new token")
     new_token = page.locator("#worker-token").inner_text().strip()
     assert new_token != token and new_token.startswith("wt_")

@@ -26,7 +26,7 @@ from .agent_harness import (
 from worker_agent import protocol, supervisor
 
 from .faults import TcpProxy
-from .harness import free_port, poll
+from .harness import expect, free_port, poll
 
 pytestmark = pytest.mark.e2e
 
@@ -312,6 +312,38 @@ def test_rotated_token_stops_the_agent_with_the_fix(orchestrator, fleet, agents)
     # The stream's shutdown event names the rotation; a heartbeat racing it gets a 401 that names it too.
     error = agent.lines()[agent.wait_for_line(re.compile(r"token rotated|token may have been rotated"), timeout=0)]
     assert re.search(r"Fix: .*request a new (token|one)", error), agent.describe()
+    no_traceback(agent)
+
+
+def test_rotating_a_busy_workers_token_is_refused_then_forced_without_spending_a_retry(orchestrator, fleet, agents):
+    """Issue 14.2: the API names the running job (409) unless told to force; forced, the job goes back to
+    the queue with its retries intact and runs to completion on the agent restarted with the new token."""
+    pool = {"pool": fleet.tag}
+    worker = fleet.create_worker(labels=pool)
+    agent = agents.start(worker)
+    agents.wait_ready(agent)
+    job_id = agents.submit(labels=pool, config=LONG_JOB, max_retries=0)["job_id"]
+    job_mid_run(orchestrator, job_id)
+
+    refused = orchestrator.admin("POST", f"/api/admin/workers/{worker.id}/token")
+    assert refused.status_code == 409, refused.text
+    assert (refused.json()["code"], refused.json()["job_id"]) == ("worker_busy", job_id)
+    assert orchestrator.job(job_id)["status"] == "running" and agent.running()
+
+    forced = expect(orchestrator.admin("POST", f"/api/admin/workers/{worker.id}/token", json={"force": True}), 200)
+    assert forced["requeued_job"] == job_id
+    job = orchestrator.job(job_id)
+    assert (job["status"], job["retry_count"], job["max_retries"]) == ("queued", 0, 0)
+    assert [a["outcome"] for a in job["attempts"]] == ["interrupted"]
+    assert agent.wait_exit(timeout=PROMPT_EXIT_S + 10) == 1, agent.describe()
+    (requeued,) = orchestrator.audit(target_id=job_id, action="job.requeued")
+    assert (requeued["details"]["retry_spent"], requeued["details"]["interrupted_by"]) == (False, "token rotation")
+
+    worker.token = forced["token"]
+    restarted = agents.start(worker)
+    restarted.wait_for_line(f"Job {job_id} started: e2e-agent (attempt 2)")  # the requeued job, at once
+    cancelled = admin_post(orchestrator, f"/api/queue/{job_id}/cancel")
+    assert cancelled["status"] == "cancelled"
     no_traceback(agent)
 
 

@@ -346,3 +346,34 @@ def test_a_stream_refused_or_with_the_librarys_own_parameters_never_leaves_a_pha
     assert worker.state()["stream_connected"] is True
     job_id = fleet.submit({"config_name": "e2e-phantom", "worker_labels": pool})["job_id"]
     assert first.wait_for("job_submit").json()["job_id"] == job_id
+
+
+def test_a_second_stream_for_a_worker_never_strands_its_jobs(orchestrator, fleet):
+    """The README's curl stream beside a running agent: both get the worker's events, and when the
+    curl closes the agent's stream still serves, so a job submitted then reaches it at once (issue 14.1)."""
+    pool = {"pool": fleet.tag}
+    worker = fleet.create_worker(labels=pool)
+    worker.register()
+    agent = fleet.open_stream(worker)
+    assert worker.state()["open_streams"] == 1
+    curl = fleet.open_stream(worker)
+    assert worker.state()["open_streams"] == 2
+
+    first = fleet.submit({"config_name": "e2e-two-streams", "worker_labels": pool})
+    assert first["dispatched"] is True
+    assert agent.wait_for("job_submit").json()["job_id"] == first["job_id"]
+    assert curl.wait_for("job_submit").json()["job_id"] == first["job_id"]
+    expect(orchestrator.admin("POST", f"/api/queue/{first['job_id']}/cancel"), 200)
+    worker.heartbeat({"worker_id": worker.id, "status": "idle", "current_job_id": None})
+    poll(lambda: worker.state()["status"] == "idle", timeout=10, message="the worker to be free again")
+
+    curl.close()
+    poll(lambda: worker.state()["open_streams"] == 1, timeout=10, message="the server to notice the closed curl stream")
+    state = worker.state()
+    assert (state["status"], state["stream_connected"]) == ("idle", True)
+
+    submitted = fleet.submit({"config_name": "e2e-after-curl", "worker_labels": pool})
+    assert submitted["dispatched"] is True, submitted.get("waiting_reason")
+    delivered = agent.wait_for("job_submit", where=lambda e: e.json()["job_id"] == submitted["job_id"])
+    assert delivered.json()["job_id"] == submitted["job_id"]
+    expect(orchestrator.admin("POST", f"/api/queue/{submitted['job_id']}/cancel"), 200)

@@ -1,4 +1,6 @@
-"""Mounted at /api/admin/workers (no trailing slash, as in the spec; a trailing slash is accepted too)."""
+"""Mounted at /api/admin/workers (no trailing slash, as in the spec; a trailing slash is accepted too).
+
+Actions that reach a worker's job too (rotating its token) are routed by ``job_queue.api.fleet_urls``."""
 
 from django.urls import re_path
 
@@ -8,5 +10,4 @@ urlpatterns = [
     re_path(r"^/?$", views.AdminWorkerListView.as_view(), name="admin-workers"),
     re_path(r"^/(?P<worker_id>[\w-]+)/?$", views.AdminWorkerDetailView.as_view(), name="admin-worker"),
     re_path(r"^/(?P<worker_id>[\w-]+)/drain/?$", views.AdminWorkerDrainView.as_view(), name="admin-worker-drain"),
-    re_path(r"^/(?P<worker_id>[\w-]+)/token/?$", views.AdminWorkerTokenView.as_view(), name="admin-worker-token"),
 ]

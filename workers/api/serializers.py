@@ -13,6 +13,7 @@ from common.fields import (
     TrainerLog,
     TrainerText,
 )
+from common.http import api_url
 from common.inputs import GPU_COUNT_MAX, GPU_VRAM_GB_MAX, LOG_TAIL_MAX_CHARS, TRAINER_ERROR_MAX_CHARS
 from worker_agent import protocol
 
@@ -26,11 +27,17 @@ class WorkerSerializer(serializers.ModelSerializer):
     current_job_id = serializers.CharField(read_only=True, allow_null=True)
     draining = serializers.SerializerMethodField()
     stream_connected = serializers.SerializerMethodField()
+    open_streams = serializers.SerializerMethodField(help_text="How many SSE streams are open for this worker.")
+    url = serializers.SerializerMethodField(help_text="This worker's own address in the API.")
+    agent_notes = serializers.SerializerMethodField(
+        help_text="Where the agent's own --name or --persistent differs from the worker (the worker's win)."
+    )
 
     class Meta:
         model = Worker
         fields = [
             "id",
+            "url",
             "name",
             "status",
             "worker_type",
@@ -42,10 +49,14 @@ class WorkerSerializer(serializers.ModelSerializer):
             "gpu_info",
             "hostname",
             "agent_version",
+            "agent_name",
+            "agent_persistent",
+            "agent_notes",
             "metrics",
             "current_job_id",
             "draining",
             "stream_connected",
+            "open_streams",
             "last_heartbeat",
             "connected_at",
             "status_changed_at",
@@ -58,6 +69,15 @@ class WorkerSerializer(serializers.ModelSerializer):
 
     def get_stream_connected(self, worker) -> bool:
         return worker.stream_id is not None
+
+    def get_agent_notes(self, worker) -> list[str]:
+        return worker.agent_notes()
+
+    def get_url(self, worker) -> str:
+        return api_url(self.context.get("request"), "admin-worker", worker_id=worker.pk)
+
+    def get_open_streams(self, worker) -> int:
+        return max(len(worker.open_streams or ()), int(worker.stream_id is not None))
 
 
 class WorkerCreateSerializer(serializers.Serializer):
@@ -205,3 +225,6 @@ class WorkerTokenSerializer(serializers.Serializer):
     worker_id = serializers.CharField()
     name = serializers.CharField()
     token = serializers.CharField(help_text="The new token; shown only this once. The old one stops working.")
+    requeued_job = serializers.CharField(
+        allow_null=True, help_text="The job the worker was running (force): back on the queue, no retry spent."
+    )

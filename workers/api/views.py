@@ -16,7 +16,6 @@ from .serializers import (
     WorkerCreateSerializer,
     WorkerListSerializer,
     WorkerSerializer,
-    WorkerTokenSerializer,
 )
 
 STATUS_FILTER = status_filter_parameter(WorkerStatus.values)
@@ -55,7 +54,7 @@ class AdminWorkerListView(AdminWorkerAPIView):
         statuses = status_filter(request, WorkerStatus.values)
         if statuses:
             workers = workers.filter(status__in=statuses)
-        return Response({"workers": WorkerSerializer(workers, many=True).data})
+        return Response({"workers": WorkerSerializer(workers, many=True, context={"request": request}).data})
 
     @extend_schema(
         tags=["admin-workers"],
@@ -67,7 +66,7 @@ class AdminWorkerListView(AdminWorkerAPIView):
         serializer = WorkerCreateSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         worker, token = services.worker_create(**serializer.validated_data, actor=self.actor)
-        return Response(WorkerCreatedSerializer(worker, context={"token": token}).data, status=status.HTTP_201_CREATED)
+        return Response(WorkerCreatedSerializer(worker, context={"token": token, "request": request}).data, status=status.HTTP_201_CREATED)
 
 
 class AdminWorkerDetailView(AdminWorkerAPIView):
@@ -79,7 +78,7 @@ class AdminWorkerDetailView(AdminWorkerAPIView):
         responses={200: WorkerSerializer, **error_responses(401, 403, 404)},
     )
     def get(self, request, worker_id):
-        return Response(WorkerSerializer(get_worker_or_404(worker_id)).data)
+        return Response(WorkerSerializer(get_worker_or_404(worker_id), context={"request": request}).data)
 
     @extend_schema(
         tags=["admin-workers"],
@@ -102,19 +101,4 @@ class AdminWorkerDrainView(AdminWorkerAPIView):
     )
     def post(self, request, worker_id):
         worker = services.worker_drain(worker_id=worker_id, actor=self.actor)
-        return Response(WorkerSerializer(worker).data)
-
-
-class AdminWorkerTokenView(AdminWorkerAPIView):
-    operator_permissions = {"POST": permissions.ROTATE_WORKER_TOKENS}
-
-    @extend_schema(
-        tags=["admin-workers"],
-        summary="Rotate a worker's token: the old one is revoked and its stream closed",
-        request=None,
-        responses={200: WorkerTokenSerializer, **error_responses(401, 403, 404, 409)},
-    )
-    def post(self, request, worker_id):
-        token = services.worker_rotate_token(worker_id=worker_id, actor=self.actor)
-        worker = get_worker_or_404(worker_id)
-        return Response({"worker_id": worker.pk, "name": worker.name, "token": token})
+        return Response(WorkerSerializer(worker, context={"request": request}).data)

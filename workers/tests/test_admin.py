@@ -140,7 +140,7 @@ def test_links_reach_objects_whose_id_looks_like_an_admin_escape(admin_client):
     # The admin escapes "_" in URLs as "_5F"; an unescaped id "w_22..." reads back as 'w"...'.
     worker = WorkerFactory(id="w_22aabbccddee", name="escaped")
     job = job_on_worker(worker, id="j_40aabbccddee0011", config_name="flux-lora")
-    response = admin_client.post(admin_url(worker, "drain"), follow=True)
+    response = admin_client.post(admin_url(worker, "drain"), {"post": "yes"}, follow=True)
 
     assert response.status_code == 200
     assert response.context["original"] == worker
@@ -297,7 +297,7 @@ def test_drain_action_drains_each_selected_worker(admin_client, commit):
     job = job_on_worker(busy)
 
     with commit():
-        response = post_action(admin_client, LIST, "drain_workers", [idle, busy])
+        response = post_action(admin_client, LIST, "drain_workers", [idle, busy], post="yes")
 
     assert response.status_code == 302
     assert admin_messages(response) == ["Draining: a-idle, b-busy"]
@@ -314,7 +314,7 @@ def test_drain_button_on_the_worker_page(admin_client, commit):
     worker = WorkerFactory(name="gpu-box-1")
 
     with commit():
-        response = admin_client.post(admin_url(worker, "drain"))
+        response = admin_client.post(admin_url(worker, "drain"), {"post": "yes"})
 
     assert (response.status_code, response["Location"]) == (302, admin_url(worker))
     assert admin_messages(response) == ["Draining: gpu-box-1"]
@@ -338,11 +338,11 @@ def test_drain_and_rotate_urls_refuse_get(admin_client):
 
 
 def _rotate_by_action(client, worker):
-    return post_action(client, LIST, "rotate_token", [worker])
+    return post_action(client, LIST, "rotate_token", [worker], post="yes")
 
 
 def _rotate_by_button(client, worker):
-    return client.post(admin_url(worker, "rotate"))
+    return client.post(admin_url(worker, "rotate"), {"post": "yes"})
 
 
 @pytest.mark.parametrize("rotate", [_rotate_by_action, _rotate_by_button])
@@ -431,7 +431,7 @@ def test_delete_action_deletes_offline_workers_and_refuses_each_online_one(admin
     job_on_worker(busy)
 
     with commit():
-        response = post_action(admin_client, LIST, "delete_workers", [*gone, idle, busy])
+        response = post_action(admin_client, LIST, "delete_workers", [*gone, idle, busy], post="yes")
 
     assert response.status_code == 302
     assert sorted(admin_messages(response)) == sorted(
@@ -449,7 +449,7 @@ def test_delete_action_deletes_offline_workers_and_refuses_each_online_one(admin
 def test_the_default_bulk_delete_is_not_offered(admin_client):
     worker = WorkerFactory(offline=True)
 
-    assert action_names(admin_client.get(LIST)) == {"drain_workers", "rotate_token", "delete_workers"}
+    assert action_names(admin_client.get(LIST)) == {"drain_workers", "undrain_workers", "rotate_token", "delete_workers"}
     response = post_action(admin_client, LIST, "delete_selected", [worker], post="yes")
 
     assert response.status_code == 302
@@ -504,7 +504,8 @@ def test_each_worker_action_needs_its_own_permission(staff_client, permission, a
     client = staff_client("workers.view_worker", permission)
     worker = WorkerFactory(offline=True)
 
-    assert action_names(client.get(LIST)) == {action}
+    # Undrain is drain's other half: the same permission.
+    assert action_names(client.get(LIST)) == ({action, "undrain_workers"} if action == "drain_workers" else {action})
     detail = client.get(admin_url(worker)).content.decode()
     shown = {b for b, marker in [("drain", 'id="drain-worker"'), ("rotate", 'id="rotate-token"')] if marker in detail}
     assert shown == ({button} if button else set())
@@ -521,13 +522,13 @@ def test_revoking_operator_api_tokens_needs_its_permission_and_is_audited(staff_
     token = owner.api_tokens.get()
     viewer = staff_client("workers.view_token")
     assert action_names(viewer.get(TOKENS)) == set()
-    post_action(viewer, TOKENS, "revoke_api_tokens", [token])
+    post_action(viewer, TOKENS, "revoke_api_tokens", [token], post="yes")
     token.refresh_from_db()
     assert token.revoked_at is None
 
     manager = staff_client("workers.view_token", "workers.manage_api_tokens")
     with commit():
-        response = post_action(manager, TOKENS, "revoke_api_tokens", [token])
+        response = post_action(manager, TOKENS, "revoke_api_tokens", [token], post="yes")
 
     assert admin_messages(response) == [f"Revoked 1 API token(s): {token.prefix}"]
     token.refresh_from_db()
@@ -545,7 +546,7 @@ def test_worker_tokens_are_rotated_not_revoked_from_the_token_list(admin_client)
     worker_token(worker)
     token = worker.tokens.get()
 
-    response = post_action(admin_client, TOKENS, "revoke_api_tokens", [token])
+    response = post_action(admin_client, TOKENS, "revoke_api_tokens", [token], post="yes")
 
     assert admin_messages(response) == ["Refused: worker tokens are rotated from their worker's page, not revoked here."]
     token.refresh_from_db()

@@ -1,13 +1,16 @@
 """Worker services not reached through the HTTP API: creation rules, stream open/close, drain."""
 
+from datetime import timedelta
+
 import pytest
+from django.utils import timezone
 
 from audit import actions
 from audit.services import Actor
 from job_queue.models import JobAttempt, JobStatus
 from job_queue.tests.factories import JobFactory, job_on_worker
 from common.errors import Conflict, InvalidInput, NotFound
-from workers.models import Worker, WorkerStatus, WorkerType
+from workers.models import ServerPresence, Worker, WorkerStatus, WorkerType
 from workers.services import (
     parse_capabilities,
     worker_create,
@@ -17,6 +20,7 @@ from workers.services import (
     worker_stream_closed,
 )
 from job_queue.agents import worker_stream_opened
+from workers.streams import server_process_id
 from workers.tests.factories import WorkerFactory
 from workers.tests.support import audit_rows, sent_events
 
@@ -134,6 +138,42 @@ def test_closing_an_old_stream_does_not_forget_the_new_one():
 
     worker_stream_closed(worker_id=worker.pk, stream_id="new")
     assert _reload(worker).stream_id is None
+
+
+def test_a_second_stream_never_strands_the_worker_when_it_closes(commit):
+    worker = WorkerFactory(stream_id=None)
+
+    with commit():
+        worker_stream_opened(worker_id=worker.pk, stream_id="agent", replaying=False)
+        worker_stream_opened(worker_id=worker.pk, stream_id="curl", replaying=False)
+    assert _reload(worker).stream_id == "curl"
+    assert [entry["id"] for entry in worker.open_streams] == ["agent", "curl"]
+
+    worker_stream_closed(worker_id=worker.pk, stream_id="curl")
+    assert _reload(worker).stream_id == "agent"  # the agent's stream, still open, serves again
+    assert [entry["id"] for entry in worker.open_streams] == ["agent"]
+
+    worker_stream_closed(worker_id=worker.pk, stream_id="agent")
+    assert _reload(worker).stream_id is None
+    assert worker.open_streams == []
+
+
+def test_streams_of_a_dead_server_process_are_forgotten_when_a_stream_opens(commit):
+    now = timezone.now()
+    ServerPresence.objects.create(pk="dead:1:aa", hostname="dead", pid=1, started_at=now, last_seen=now - timedelta(hours=1))
+    ServerPresence.objects.create(pk="live:2:bb", hostname="live", pid=2, started_at=now, last_seen=now)
+    worker = WorkerFactory(
+        stream_id="on-live",
+        open_streams=[{"id": "on-dead", "process": "dead:1:aa"}, {"id": "on-live", "process": "live:2:bb"}],
+    )
+
+    with commit():
+        worker_stream_opened(worker_id=worker.pk, stream_id="here", replaying=False)
+
+    assert [entry["id"] for entry in _reload(worker).open_streams] == ["on-live", "here"]
+    assert worker.open_streams[-1]["process"] == server_process_id()
+    worker_stream_closed(worker_id=worker.pk, stream_id="here")
+    assert _reload(worker).stream_id == "on-live"
 
 
 # --- drain, rotate, delete on unknown or refused workers ------------------------------------------------

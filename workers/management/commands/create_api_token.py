@@ -1,12 +1,15 @@
 """Create (optionally) a user and print a new operator API token on the last line of stdout."""
 
+from datetime import timedelta
+
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
+from django.utils import timezone
 
 from audit.services import audited_atomic
 from workers.services import api_token_create
 
-from ._workers import command_actor
+from ._workers import command_actor, service_errors
 
 
 class Command(BaseCommand):
@@ -16,8 +19,11 @@ class Command(BaseCommand):
         parser.add_argument("username")
         parser.add_argument("--superuser", action="store_true", help="create the user as a superuser if missing")
         parser.add_argument("--description", default="", help="what the token is for")
+        parser.add_argument(
+            "--expires-in", type=float, metavar="DAYS", default=None, help="refuse the token after DAYS days (default: never)"
+        )
 
-    def handle(self, username, superuser, description, **options):
+    def handle(self, username, superuser, description, expires_in=None, **options):
         User = get_user_model()
         with audited_atomic():
             user = User.objects.filter(username=username).first()
@@ -28,6 +34,10 @@ class Command(BaseCommand):
                 self.stderr.write(f"Created superuser {username!r} (no password; set one with `manage.py changepassword {username}`)")
             elif superuser and not user.is_superuser:
                 raise CommandError(f"user {username!r} exists and is not a superuser; refusing to promote it")
-            token = api_token_create(user=user, actor=command_actor("create_api_token"), description=description)
+            expires_at = timezone.now() + timedelta(days=expires_in) if expires_in is not None else None
+            with service_errors():
+                token = api_token_create(
+                    user=user, actor=command_actor("create_api_token"), description=description, expires_at=expires_at
+                )
         self.stderr.write("API token (shown once; use it as: Authorization: Bearer <token>):")
         self.stdout.write(token)
