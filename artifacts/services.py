@@ -107,6 +107,7 @@ def checkpoints_complete(*, lease_id, actor, now=None):
             rows=[(job_id, {"step": step, "attempt": lease_id}) for _, job_id, step in rows],
         )
     )
+    attempt_steps_record(lease_id=lease_id, job_id=rows[0][1], reached_step=max(step for _, _, step in rows))
     return [step for _, _, step in rows]
 
 
@@ -116,6 +117,7 @@ def checkpoint_declare_complete(*, job_id, lease_id, step, actor):
     done = Checkpoint.objects.filter(job_id=job_id, lease_id=lease_id, step=step).update(completed_at=timezone.now())
     if not done:
         raise NotFound(f"this attempt uploaded no file of checkpoint-{step}")
+    attempt_steps_record(lease_id=lease_id, job_id=job_id, reached_step=step)  # a checkpoint proves the step
     audit_record(
         actor=actor,
         action=actions.CHECKPOINT_COMPLETED,
