@@ -102,3 +102,89 @@ def test_a_job_killed_after_its_second_checkpoint_resumes_on_another_agent(serve
     forged = requests.put(url, data=b"late", headers={protocol.UPLOAD_TOKEN_HEADER: "stu_" + first_lease + ":forged"}, timeout=10)
     assert (stale.status_code, stale.json()["code"]) == (409, protocol.STALE_ATTEMPT)
     assert (forged.status_code, forged.json()["code"]) == (401, protocol.NOT_AUTHENTICATED)
+
+
+# --- the upstream agent's pair, and a large upload with bounded memory --------------------------------
+
+
+def test_the_upstream_agent_gets_a_working_upload_endpoint_and_token(server, runner):
+    """What SimpleTuner's own agent does with ``job_submit``: SIMPLETUNER_UPLOAD_ENDPOINT is the server's URL
+    joined to ``upload_endpoint``, the trainer PUTs ``{endpoint}/{bucket}/{key}`` with the token."""
+    fleet = runner.fleet
+    worker = fleet.create_worker(labels={"pool": fleet.tag})
+    worker.register({"name": worker.name, "worker_id": worker.id, "gpu_info": {"name": "cpu", "count": 0}, "persistent": True})
+    stream = fleet.open_stream(worker)
+    job_id = fleet.submit({"config_name": "upstream", "config": {"x": 1}, "worker_labels": {"pool": fleet.tag}})["job_id"]
+    data = stream.wait_for("job_submit").json()
+    worker.report(job_id, "starting")
+    endpoint = f"{server.base_url}{data['upload_endpoint']}"  # as simpletuner/worker_agent.py builds it
+
+    first = requests.put(f"{endpoint}/simpletuner-outputs/{job_id}/pytorch_lora_weights.safetensors", data=b"lora",
+                         headers={"X-SimpleTuner-Secret": data["upload_token"]}, timeout=10)  # fmt: skip
+    again = requests.put(f"{endpoint}/simpletuner-outputs/{job_id}/pytorch_lora_weights.safetensors", data=b"lora2",
+                         headers={"X-Upload-Token": data["upload_token"]}, timeout=10)  # fmt: skip
+    climbing = requests.put(f"{endpoint}/simpletuner-outputs/a/%2E%2E/b", data=b"x", headers={"X-Upload-Token": data["upload_token"]}, timeout=10)
+
+    assert (first.status_code, again.status_code) == (201, 200)
+    assert first.json()["ETag"] == first.headers["ETag"]
+    assert climbing.status_code in (400, 404)
+    (artifact,) = server.job(job_id)["artifacts"]
+    assert artifact["key"] == f"simpletuner-outputs/{job_id}/pytorch_lora_weights.safetensors"
+    assert artifact["sha256"] == hashlib.sha256(b"lora2").hexdigest()
+
+
+class Generated:
+    """A body of ``size`` bytes made on the fly (Content-Length from __len__)."""
+
+    def __init__(self, size):
+        self.left, self.digest = size, hashlib.sha256()
+
+    def __len__(self):
+        return self.left
+
+    def read(self, n=-1):
+        n = min(self.left, 1 << 20 if n is None or n < 0 else min(n, 1 << 20))
+        self.left -= n
+        data = b"\x5a" * n
+        self.digest.update(data)
+        return data
+
+
+def test_a_large_upload_streams_with_bounded_server_memory(server, runner):
+    """256 MiB through ``simpletuner server``: its RSS grows by far less than the body (daphne alone: all of it)."""
+    import threading
+
+    import psutil
+
+    fleet = runner.fleet
+    worker = fleet.create_worker(labels={"pool": fleet.tag})
+    worker.register({"name": worker.name, "worker_id": worker.id, "gpu_info": {"name": "cpu", "count": 0}, "persistent": True})
+    stream = fleet.open_stream(worker)
+    job_id = fleet.submit({"config_name": "big", "config": {}, "worker_labels": {"pool": fleet.tag}})["job_id"]
+    token = stream.wait_for("job_submit").json()["upload_token"]
+    worker.report(job_id, "starting")
+    process = psutil.Process(server.process.pid)
+    baseline = process.memory_info().rss
+    peak, stop = [baseline], threading.Event()
+
+    def sample():
+        beat = 0
+        while not stop.wait(0.02):
+            peak.append(process.memory_info().rss)
+            beat += 1
+            if beat % 25 == 0:  # the attempt stays alive while it uploads (SIMPLETUNER_HEARTBEAT_TIMEOUT is 3 s here)
+                worker.heartbeat({"worker_id": worker.id, "status": "busy", "current_job_id": job_id})
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    body = Generated(256 << 20)
+    try:
+        response = requests.put(server.url(f"{protocol.UPLOAD_PATH}/output/big.bin"), data=body,
+                                headers={protocol.UPLOAD_TOKEN_HEADER: token}, timeout=300)  # fmt: skip
+    finally:
+        stop.set()
+        sampler.join()
+
+    assert response.status_code == 201, response.text
+    assert response.json()["sha256"] == body.digest.hexdigest() and response.json()["size"] == 256 << 20
+    assert max(peak) - baseline < 64 << 20, f"the server grew by {(max(peak) - baseline) >> 20} MiB"
