@@ -30,3 +30,6 @@ JOB_COMPLETION_RECOVERED = "job.completion_recovered"
 ARTIFACT_STORED = "artifact.stored"
 ARTIFACTS_EXPIRED = "artifact.expired"
 CHECKPOINT_COMPLETED = "checkpoint.completed"
+
+CONFIG_CREATED = "config.created"
+CONFIG_UPDATED = "config.updated"

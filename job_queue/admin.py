@@ -33,6 +33,7 @@ from workers.onboarding import parse_label_pairs
 
 from . import permissions
 from .admin_artifacts import artifacts_html, attempt_steps_text
+from .admin_configs import stored_config_html
 from .api.serializers import JobSubmitSerializer
 from .models import JOB_RETRYABLE, JOB_TERMINAL, Job, JobAttempt, JobStatus, JobTarget
 from .selectors import job_waiting_reason
@@ -174,7 +175,7 @@ class JobAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMixin
         ("Status", {"fields": ["id", "status_display", "waiting", "progress_bar", "worker_display", "attempts", "last_error", "exit_code"]}),
         ("Log tail", {"fields": ["log"]}),
         ("Artifacts", {"fields": ["artifacts_display"]}),
-        ("Settings", {"fields": ["config_name", "config_display", "dataloader_display", "target", "labels", "gpu_count", "priority", "max_retries", "retry_on_failure", "retry_links"]}),
+        ("Settings", {"fields": ["config_name", "stored_config", "config_display", "dataloader_display", "target", "labels", "gpu_count", "priority", "max_retries", "retry_on_failure", "retry_links"]}),
         ("Timing", {"fields": ["submitted_at", "submitted_by", "dispatched_at", "started_at", "finished_at"]}),
         ("Audit trail", {"fields": ["audit_trail"]}),
     ]
@@ -182,8 +183,12 @@ class JobAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMixin
         "id", "status_display", "waiting", "progress_bar", "worker_display", "attempts", "last_error", "exit_code", "log",
         "config_name", "config_display", "dataloader_display", "target", "labels", "gpu_count", "priority",
         "max_retries", "retry_on_failure", "retry_links", "submitted_at", "submitted_by", "dispatched_at",
-        "started_at", "finished_at", "audit_trail", "artifacts_display",
+        "started_at", "finished_at", "audit_trail", "artifacts_display", "stored_config",
     ]  # fmt: skip
+
+    @admin.display(description="Stored config")
+    def stored_config(self, job):
+        return stored_config_html(job)
 
     @admin.display(description="Files")
     def artifacts_display(self, job):

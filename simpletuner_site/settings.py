@@ -148,6 +148,7 @@ INSTALLED_APPS = [
     "audit",
     "workers",
     "artifacts",
+    "training_configs",
     "job_queue",
     "realtime",
     "observability",
@@ -283,6 +284,8 @@ SIMPLETUNER = {
     "ARTIFACT_JOB_QUOTA_BYTES": _env_int("SIMPLETUNER_ARTIFACT_JOB_QUOTA_BYTES", 200 * 1024**3, minimum=1),
     "ARTIFACT_RETENTION_DAYS": _env_int("SIMPLETUNER_ARTIFACT_RETENTION_DAYS", 0, minimum=0, maximum=36500),
     "ARTIFACT_SWEEP_INTERVAL": _env_seconds("SIMPLETUNER_ARTIFACT_SWEEP_INTERVAL", 3600),
+    # Refuse (400 config_not_stored) a job whose config_name is not a stored config (README "Configs and artifacts").
+    "REQUIRE_STORED_CONFIG": _env_bool("SIMPLETUNER_REQUIRE_STORED_CONFIG", False),
 }
 
 # Form posts (the admin) are bounded like API bodies.

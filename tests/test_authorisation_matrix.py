@@ -26,6 +26,7 @@ from rest_framework.views import APIView
 from artifacts.models import Artifact
 from artifacts.tokens import upload_token
 from audit.models import AuditEvent
+from training_configs.models import TrainingConfig
 from job_queue.models import Job, JobAttempt, JobStatus
 from job_queue.tests.factories import JobFactory, job_on_worker
 from workers.models import Token, Worker, hash_token
@@ -49,6 +50,8 @@ ROUTES = {
     "artifact-object": (UPLOAD, {"GET": UPLOAD, "PUT": UPLOAD}, 409),
     "checkpoint-complete": (UPLOAD, {"POST": UPLOAD}, 409),
     "artifact-download": (OPERATOR, {"GET": "artifacts.download_artifact"}, None),
+    "config-list": (OPERATOR, {"GET": "configs.view_trainingconfig", "POST": "configs.add_trainingconfig"}, None),
+    "config-detail": (OPERATOR, {"GET": "configs.view_trainingconfig"}, None),
     "admin-workers": (OPERATOR, {"GET": "workers.view_worker", "POST": "workers.add_worker"}, None),
     "admin-worker": (OPERATOR, {"GET": "workers.view_worker", "DELETE": "workers.delete_worker"}, None),
     "admin-worker-drain": (OPERATOR, {"POST": "workers.drain_worker"}, None),
@@ -82,13 +85,15 @@ ADMIN_ACTIONS = {
     ("queue.job", "retry_jobs"): "queue.retry_job",
     ("queue.job", "button:cancel"): "queue.cancel_job",
     ("queue.job", "button:retry"): "queue.retry_job",
+    ("configs.trainingconfig", "add"): "configs.add_trainingconfig",
 }
-OUR_APPS = {"workers", "queue", "audit", "artifacts"}
+OUR_APPS = {"workers", "queue", "audit", "artifacts", "configs"}
 # What an admin page needs to be reached at all, beside the action's own permission.
 ADMIN_VIEW = {
     "workers.worker": "workers.view_worker",
     "workers.token": "workers.view_token",
     "queue.job": "queue.view_job",
+    "configs.trainingconfig": "configs.view_trainingconfig",
 }
 
 
@@ -198,6 +203,8 @@ class World:
             kwargs["step"] = "5"
         if name == "artifact-download":
             kwargs["artifact_id"] = self.artifact.pk
+        if name == "config-detail":
+            kwargs["name"] = "sdxl-lora"
         return reverse(name, kwargs=kwargs) + (f"?{urlencode(query)}" if query else "")
 
 
@@ -209,6 +216,7 @@ def state():
         "jobs": list(Job.objects.order_by("pk").values()),
         "attempts": list(JobAttempt.objects.order_by("pk").values()),
         "artifacts": list(Artifact.objects.order_by("pk").values()),
+        "configs": list(TrainingConfig.objects.order_by("pk").values()),
         "events": Event.objects.count(),
         "successful audit rows": list(AuditEvent.objects.filter(success=True).values_list("pk", flat=True)),
     }
@@ -328,7 +336,7 @@ def check_route(name, method):
         allowed = _upload_client(world.upload_token)
     else:
         allowed = _client(HTTP_X_WORKER_TOKEN=world.a_token) if kind == WORKER else _permitted(permission)
-    response = _call(allowed, method, world.url(name), {"name": "a-new-one", "config_name": "c"})
+    response = _call(allowed, method, world.url(name), {"name": "a-new-one", "config_name": "c", "config": {}})
     assert response.status_code not in (401, 403, 429), f"{response.status_code} {response.content[:300]!r}"
 
 
@@ -369,6 +377,7 @@ class AdminWorld:
 ADD_FORMS = {
     "workers.worker": {"name": "new-one", "worker_type": "persistent", "labels": ""},
     "queue.job": {"config_name": "c", "config": "{}", "target": "worker", "priority": "0"},
+    "configs.trainingconfig": {"name": "sdxl-lora", "config": '{"lr": 1}', "dataloader": "", "description": ""},
 }
 
 

@@ -38,12 +38,16 @@ class JobSerializer(serializers.ModelSerializer):
     retry_of = serializers.CharField(source="retry_of_id", allow_null=True, read_only=True)
     submitted_by = serializers.SerializerMethodField()
     waiting_reason = serializers.SerializerMethodField()
+    config_version = serializers.SerializerMethodField(help_text="The stored config version the job runs; null: config not stored.")
+    config_stored = serializers.SerializerMethodField()
 
     class Meta:
         model = Job
         fields = [
             "id",
             "config_name",
+            "config_version",
+            "config_stored",
             "config",
             "dataloader",
             "target",
@@ -73,6 +77,12 @@ class JobSerializer(serializers.ModelSerializer):
 
     def get_submitted_by(self, job) -> str | None:
         return job.submitted_by.get_username() if job.submitted_by_id and job.submitted_by else None
+
+    def get_config_version(self, job) -> int | None:
+        return job.training_config.version if job.training_config_id else None
+
+    def get_config_stored(self, job) -> bool:
+        return job.training_config_id is not None
 
     def get_waiting_reason(self, job) -> str | None:
         if not self.context.get("with_reason"):
