@@ -21,7 +21,11 @@ class ConfigListView(ListAPIView):
     def get_queryset(self):
         return configs_latest()
 
-    @extend_schema(tags=["configs"], summary="Stored configs: the latest version of each, by name")
+    @extend_schema(
+        tags=["configs"],
+        summary="Stored configs: the latest version of each, by name",
+        responses={200: ConfigSummarySerializer(many=True), **error_responses(400, 401, 403)},
+    )
     def get(self, request, *args, **kwargs):
         return super().get(request, *args, **kwargs)
 
