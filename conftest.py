@@ -16,3 +16,18 @@ def postgres_url():
 @pytest.fixture
 def redis_url():
     return require_redis_url()
+
+
+@pytest.fixture(autouse=True)
+def artifact_storage_dir(request, tmp_path_factory):
+    """Every test keeps the artifacts it uploads in a directory of its own (not the data directory's)."""
+    if "settings" not in request.fixturenames and not request.node.get_closest_marker("django_db"):
+        yield None
+        return
+    settings = request.getfixturevalue("settings")
+    location = tmp_path_factory.mktemp("artifacts")
+    settings.STORAGES = {
+        **settings.STORAGES,
+        "artifacts": {"BACKEND": "django.core.files.storage.FileSystemStorage", "OPTIONS": {"location": str(location)}},
+    }
+    yield location

@@ -28,3 +28,10 @@ JOB_RETRIED = "job.retried"
 JOB_REQUEUED = "job.requeued"
 JOB_REPORT_REFUSED = "job.report_refused"
 JOB_COMPLETION_RECOVERED = "job.completion_recovered"
+
+ARTIFACT_STORED = "artifact.stored"
+ARTIFACTS_EXPIRED = "artifact.expired"
+CHECKPOINT_COMPLETED = "checkpoint.completed"
+
+CONFIG_CREATED = "config.created"
+CONFIG_UPDATED = "config.updated"

@@ -9,7 +9,7 @@ from django.contrib.admin.utils import quote
 from django.urls import NoReverseMatch, reverse
 from django.utils.html import format_html
 
-from common.admin_kit import EstimatedCountPaginator, pretty_json_html
+from common.admin_kit import EstimatedCountPaginator, ReadOnlyAdminMixin, pretty_json_html
 
 from . import actions
 from .models import AuditEvent
@@ -42,7 +42,7 @@ TargetTypeFilter = _choices_filter("target_type", "target type", TARGET_TYPES)
 
 
 @admin.register(AuditEvent)
-class AuditEventAdmin(admin.ModelAdmin):
+class AuditEventAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
     list_display = ["created_at", "action", "actor", "target", "success", "client_ip"]
     list_filter = [ActionFilter, "actor_type", "success", "created_at", TargetTypeFilter]
     paginator = EstimatedCountPaginator
@@ -80,11 +80,3 @@ class AuditEventAdmin(admin.ModelAdmin):
     def details_display(self, event):
         return pretty_json_html(event.details)
 
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False

@@ -277,3 +277,16 @@ class JSONFormField(forms.JSONField):
             return super().bound_data(data, initial)
         except RecursionError:
             return forms.fields.InvalidJSONInput(data)
+
+
+class ReadOnlyAdminMixin:
+    """An admin page for records that change only through their services: no add, change or delete page."""
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False

@@ -36,3 +36,15 @@ class StaleReport(Conflict):
     """A worker reported on a job (or attempt) it no longer owns."""
 
     code = "stale_report"
+
+
+class NotAuthenticated(ServiceError):
+    """Credentials a service checks itself (an upload token) are missing or unknown."""
+
+    status_code = 401
+    code = "not_authenticated"
+
+
+class TooLarge(ServiceError):
+    status_code = 413
+    code = "request_too_large"

@@ -35,3 +35,14 @@ def permissions_by_name(apps, names):
     if missing:
         raise LookupError(f"permissions missing: {', '.join(sorted(missing))}")
     return found
+
+
+def grant_group_permissions(apps, schema_editor, grants, *app_labels):
+    """Give each group of ``grants`` (``{group name: permission names}``, created if missing) its permissions,
+    first creating those of ``app_labels``. Takes nothing away: permissions added by hand stay."""
+    create_app_permissions(apps, schema_editor, *app_labels)
+    Group = apps.get_model("auth", "Group")
+    permissions = permissions_by_name(apps, {name for names in grants.values() for name in names})
+    for group_name, names in grants.items():
+        group, _ = Group.objects.get_or_create(name=group_name)
+        group.permissions.add(*(permissions[name] for name in names))

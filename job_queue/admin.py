@@ -35,6 +35,8 @@ from common.errors import InvalidInput, ServiceError
 from workers.onboarding import parse_label_pairs
 
 from . import permissions, worker_admin  # noqa: F401 (worker_admin registers the Workers page with its rotate action)
+from .admin_artifacts import artifacts_html, attempt_steps_text
+from .admin_configs import stored_config_html
 from .api.serializers import JobSubmitSerializer
 from .models import JOB_RETRYABLE, JOB_TERMINAL, Job, JobAttempt, JobStatus, JobTarget
 from .selectors import job_waiting_reason
@@ -105,9 +107,13 @@ class JobAttemptInline(admin.TabularInline):
     model = JobAttempt
     extra = 0
     can_delete = False
-    fields = ["number", "worker_link", "dispatched_at", "started_at", "finished_at", "outcome", "error"]
+    fields = ["number", "worker_link", "dispatched_at", "started_at", "finished_at", "steps", "outcome", "error"]
     readonly_fields = fields
     verbose_name_plural = "Attempts"
+
+    @admin.display(description="Steps (from → reached)")
+    def steps(self, attempt):
+        return attempt_steps_text(attempt)
 
     def get_queryset(self, request):
         return super().get_queryset(request).select_related("worker")
@@ -171,7 +177,8 @@ class JobAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMixin
     fieldsets = [
         ("Status", {"fields": ["id", "status_display", "waiting", "progress_bar", "worker_display", "attempts", "last_error", "exit_code"]}),
         ("Log tail", {"fields": ["log"]}),
-        ("Settings", {"fields": ["config_name", "config_display", "dataloader_display", "target", "labels", "gpu_count", "priority", "max_retries", "retry_on_failure", "retry_links"]}),
+        ("Artifacts", {"fields": ["artifacts_display"]}),
+        ("Settings", {"fields": ["config_name", "stored_config", "config_display", "dataloader_display", "target", "labels", "gpu_count", "priority", "max_retries", "retry_on_failure", "retry_links"]}),
         ("Timing", {"fields": ["submitted_at", "submitted_by", "dispatched_at", "started_at", "finished_at"]}),
         ("Audit trail", {"fields": ["audit_trail"]}),
     ]
@@ -179,8 +186,16 @@ class JobAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMixin
         "id", "status_display", "waiting", "progress_bar", "worker_display", "attempts", "last_error", "exit_code", "log",
         "config_name", "config_display", "dataloader_display", "target", "labels", "gpu_count", "priority",
         "max_retries", "retry_on_failure", "retry_links", "submitted_at", "submitted_by", "dispatched_at",
-        "started_at", "finished_at", "audit_trail",
+        "started_at", "finished_at", "audit_trail", "artifacts_display", "stored_config",
     ]  # fmt: skip
+
+    @admin.display(description="Stored config")
+    def stored_config(self, job):
+        return stored_config_html(job)
+
+    @admin.display(description="Files")
+    def artifacts_display(self, job):
+        return artifacts_html(job)  # each link checks the download permission itself
 
     # --- permissions: one per action (operator_permissions), as in the API -------------------------
 

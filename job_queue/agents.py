@@ -24,7 +24,7 @@ from .dispatch import (
     workers_free_and_offer,
 )
 from .models import JOB_ACTIVE, JobStatus
-from .reports import job_record_progress
+from .reports import attempt_spoke, job_record_progress
 from .selectors import jobs_waiting_for
 from .services import lock_job
 from .transitions import jobs_acknowledge, jobs_release, operator_interruption
@@ -153,6 +153,7 @@ def _record_heartbeat(*, worker, data, reported_job_id, now, actor):
         job = lock_job(worker.current_job_id)
         if _names_current_attempt(job, str(reported_job_id), data.get("attempt")):
             jobs_acknowledge(jobs=[job], actor=actor, reason="heartbeat names the job", now=now)
+            attempt_spoke(job=job, data=data, actor=actor, now=now)
         if data.get("progress") is not None:
             job_record_progress(job_id=worker.current_job_id, worker=worker, data=data)
         return job

@@ -1,9 +1,14 @@
 """Placing queued jobs on available workers: matching, assignment (a new attempt), and what the worker is sent."""
 
+from urllib.parse import quote
+
 from django.db import transaction
 from django.db.models import Case, F, IntegerField, Value, When
 from django.utils import timezone
 
+from artifacts import selectors as artifact_selectors
+from artifacts import services as artifact_services
+from artifacts import tokens as artifact_tokens
 from audit import actions
 from audit.services import Actor, audit_record, audited_atomic
 from common import outbox
@@ -23,16 +28,31 @@ CANDIDATE_BATCH = 200
 # --- what a worker is sent ------------------------------------------------------------------------
 
 
-def job_submit_payload(job):
-    """Return the ``job_submit`` event data (without its ``type``) for the job's current attempt."""
+def job_resume_checkpoint(job_id) -> protocol.ResumeCheckpoint | None:
+    """Return the checkpoint a new attempt of ``job_id`` resumes from (the latest complete one), each file
+    with the URL the attempt downloads it from with its own upload token; or None."""
+    resume = artifact_selectors.resume_checkpoint(job_id)
+    if resume is not None:
+        for item in resume["files"]:
+            item["download_url"] = f"{protocol.UPLOAD_PATH}/{quote(item['key'])}"
+    return resume
+
+
+def job_submit_payload(job, resume=None):
+    """Return the ``job_submit`` event data (without its ``type``) for the job's current attempt.
+
+    ``resume`` is ``job_resume_checkpoint(job.pk)`` when the caller has it already.
+    """
     return {
         "job_id": job.pk,
         "config_name": job.config_name,
         "config": job.config,
         "dataloader": job.dataloader,
-        "upload_endpoint": protocol.job_status_path(job.pk),
+        "upload_endpoint": protocol.UPLOAD_PATH,
+        "upload_token": artifact_tokens.upload_token(job.lease_id),
         "attempt": job.lease_id,
         "attempt_number": job.attempt_count,
+        "resume": resume if resume is not None else job_resume_checkpoint(job.pk),
     }
 
 
@@ -77,7 +97,10 @@ def _assign(*, job, worker, actor):
         target_id=job.pk,
         details={"worker": worker.pk, "worker_name": worker.name, "attempt": number, "lease": lease},
     )
-    worker_events.publish_on_commit(worker.pk, protocol.JOB_SUBMIT, **job_submit_payload(job))
+    resume = job_resume_checkpoint(job.pk)
+    if resume is not None:
+        artifact_services.attempt_steps_record(lease_id=lease, job_id=job.pk, start_step=resume["step"])
+    worker_events.publish_on_commit(worker.pk, protocol.JOB_SUBMIT, **job_submit_payload(job, resume))
     outbox.emit_on_commit(
         events.DISPATCHED, job_id=job.pk, attempt_number=number, submitted_at=job.submitted_at, dispatched_at=now
     )

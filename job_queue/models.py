@@ -77,6 +77,14 @@ def targets_for_worker_type(worker_type):
 class Job(models.Model):
     id = models.CharField(primary_key=True, max_length=32, default=new_job_id, editable=False)
     config_name = models.CharField(max_length=255)
+    training_config = models.ForeignKey(
+        "configs.TrainingConfig",
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="jobs",
+        help_text="The stored config version the job runs; empty when its config_name is not stored.",
+    )
     config = models.JSONField(default=dict, blank=True)
     dataloader = models.JSONField(null=True, blank=True)
     target = models.CharField(max_length=8, choices=JobTarget.choices, default=JobTarget.WORKER)

@@ -4,6 +4,7 @@ import math
 
 from django.utils import timezone
 
+from artifacts import services as artifact_services
 from audit import actions
 from audit.services import audit_record, audited_atomic
 from common.errors import InvalidInput, InvalidTransition, NotFound, StaleReport
@@ -49,6 +50,17 @@ def _progress_fields(data):
     if data.get("exit_code") is not None:
         fields["exit_code"] = data["exit_code"]
     return fields
+
+
+def attempt_spoke(*, job, data, actor, now=None):
+    """The job's current attempt reported or heartbeat: the checkpoints it uploaded before are complete,
+    and the step its progress names is the furthest it reached. Call in the report's transaction."""
+    now = now or timezone.now()
+    artifact_services.checkpoints_complete(lease_id=job.lease_id, actor=actor, now=now)
+    progress = data.get("progress")
+    step = progress.get("step") if isinstance(progress, dict) else None
+    if isinstance(step, int) and not isinstance(step, bool) and 0 <= step < 2**62:
+        artifact_services.attempt_steps_record(lease_id=job.lease_id, job_id=job.pk, reached_step=step)
 
 
 def job_record_progress(*, job_id, worker, data):
@@ -140,6 +152,8 @@ def _job_report(*, worker_id, job_id, data, actor, holder_id):
 
 
 def _apply_report(*, job, worker, raw, target, error, data, actor):
+    if job.lease_id:
+        attempt_spoke(job=job, data=data, actor=actor)
     fields = _progress_fields(data)
     said = f"{raw} ({protocol.FROM_JOURNAL})" if data.get("journal") else raw
     owns_worker = worker.current_job_id == job.pk

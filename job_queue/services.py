@@ -7,6 +7,7 @@ from audit import actions
 from audit.services import audit_record, audited_atomic
 from common.errors import Conflict, InvalidInput, NotFound
 from common.inputs import GPU_COUNT_MAX, clean_labels
+from training_configs.services import config_for_submit, config_mark_used
 from worker_agent import protocol
 from workers import events as worker_events
 from workers.models import Worker
@@ -62,10 +63,17 @@ def job_submit(
     max_retries=None,
     retry_on_failure=False,
 ):
-    """Queue a job and try to dispatch it at once; return ``(job, dispatched)``."""
+    """Queue a job and try to dispatch it at once; return ``(job, dispatched)``.
+
+    ``config_name`` may name a stored config (``name`` or ``name@version``): the job runs that version,
+    with the inline ``config``'s keys over its own (``training_configs.services.config_for_submit``).
+    """
     with audited_atomic():
+        config_name, config, dataloader, stored = config_for_submit(config_name=config_name, config=config, dataloader=dataloader)
+        config_mark_used(stored)
         job = _job_create(
             config_name=config_name,
+            training_config=stored,
             actor=actor,
             config=config,
             dataloader=dataloader,
@@ -98,11 +106,13 @@ def _job_create(
     max_retries,
     retry_on_failure,
     retry_of=None,
+    training_config=None,
 ):
     """Create a queued job with its audit row, in the caller's transaction."""
     config = config or {}
     job = Job.objects.create(
         retry_of=retry_of,
+        training_config=training_config,
         config_name=config_name,
         config=config,
         dataloader=dataloader,
@@ -121,6 +131,7 @@ def _job_create(
         target_id=job.pk,
         details={
             "config_name": config_name,
+            "config_version": training_config.version if training_config else None,
             "target": target,
             "worker_labels": job.worker_labels,
             "gpu_count": job.gpu_count,
@@ -189,6 +200,7 @@ def job_retry(*, job_id, actor):
             )
         job = _job_create(
             config_name=original.config_name,
+            training_config=original.training_config,
             config=original.config,
             dataloader=original.dataloader,
             target=original.target,

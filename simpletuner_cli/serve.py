@@ -101,7 +101,7 @@ def run_server(args):
     )
     print("\n".join(lines), flush=True)
 
-    from daphne.cli import CommandLineInterface
+    from .body_spool import SpooledBodyCommandLineInterface
 
     daphne_args = [
         "--endpoint",
@@ -126,7 +126,7 @@ def run_server(args):
 
             # Stop the agent while the server still answers, so that it can report its job and disconnect.
             reactor.addSystemEventTrigger("before", "shutdown", threads.deferToThread, local_worker.stop)
-        CommandLineInterface().run([*daphne_args, ASGI_APPLICATION])
+        SpooledBodyCommandLineInterface().run([*daphne_args, ASGI_APPLICATION])
     finally:
         if local_worker is not None:
             local_worker.stop()

@@ -17,6 +17,7 @@ def sweep_schedule():
 
     ``task_name`` is also the name of the Celery task wrapping ``function`` (see each app's tasks.py).
     """
+    from artifacts.sweeps import sweep_expired_artifacts
     from job_queue.dispatch import dispatch_pending
     from job_queue.sweeps import sweep_stale_workers, sweep_unacknowledged_dispatches
     from workers.sweeps import sweep_offline_ephemeral_workers
@@ -29,6 +30,7 @@ def sweep_schedule():
         ("queue.sweep_unacknowledged_dispatches", sweep_unacknowledged_dispatches, ack_interval),
         ("workers.sweep_offline_ephemeral_workers", sweep_offline_ephemeral_workers, interval),
         ("queue.dispatch_pending", dispatch_pending, interval),
+        ("artifacts.sweep_expired_artifacts", sweep_expired_artifacts, settings.SIMPLETUNER["ARTIFACT_SWEEP_INTERVAL"]),
     ]
 
 

@@ -147,6 +147,8 @@ INSTALLED_APPS = [
     # Ours, bottom layer first (the import-linter contract in .importlinter enforces the order).
     "audit",
     "workers",
+    "artifacts",
+    "training_configs",
     "job_queue",
     "realtime",
     "observability",
@@ -276,6 +278,14 @@ SIMPLETUNER = {
     "MAX_JSON_DEPTH": _env_int("SIMPLETUNER_MAX_JSON_DEPTH", 32, minimum=8, maximum=200),
     "MAX_LABELS": _env_int("SIMPLETUNER_MAX_LABELS", 32, minimum=1, maximum=1000),
     "MAX_GPU_INFO_BYTES": _env_int("SIMPLETUNER_MAX_GPU_INFO_BYTES", 64 * 1024, minimum=1024, maximum=16 * 1024 * 1024),
+    # The artifact store (README "Configs and artifacts"): one file's limit, a job's quota, and how
+    # many days an artifact is kept after its upload (0: kept until deleted by hand).
+    "ARTIFACT_MAX_BYTES": _env_int("SIMPLETUNER_ARTIFACT_MAX_BYTES", 20 * 1024**3, minimum=1),
+    "ARTIFACT_JOB_QUOTA_BYTES": _env_int("SIMPLETUNER_ARTIFACT_JOB_QUOTA_BYTES", 200 * 1024**3, minimum=1),
+    "ARTIFACT_RETENTION_DAYS": _env_int("SIMPLETUNER_ARTIFACT_RETENTION_DAYS", 0, minimum=0, maximum=36500),
+    "ARTIFACT_SWEEP_INTERVAL": _env_seconds("SIMPLETUNER_ARTIFACT_SWEEP_INTERVAL", 3600),
+    # Refuse (400 config_not_stored) a job whose config_name is not a stored config (README "Configs and artifacts").
+    "REQUIRE_STORED_CONFIG": _env_bool("SIMPLETUNER_REQUIRE_STORED_CONFIG", False),
 }
 
 # Form posts (the admin) are bounded like API bodies.
@@ -357,9 +367,39 @@ STATIC_URL = "static/"
 STATICFILES_DIRS = [BASE_DIR / "simpletuner_site" / "static"]
 STATIC_ROOT = DATA_DIR / "static"
 STATIC_ROOT.mkdir(exist_ok=True)
+
+
+def _artifact_storage():
+    """The artifact store: S3 (any S3-compatible service, via django-storages) when a bucket is named, else a
+    directory under the data directory."""
+    bucket = os.environ.get("SIMPLETUNER_ARTIFACT_S3_BUCKET", "").strip()
+    if not bucket:
+        location = Path(os.environ.get("SIMPLETUNER_ARTIFACT_DIR") or DATA_DIR / "artifacts").resolve()
+        return {"BACKEND": "django.core.files.storage.FileSystemStorage", "OPTIONS": {"location": str(location)}}
+    endpoint = os.environ.get("SIMPLETUNER_ARTIFACT_S3_ENDPOINT_URL", "").strip() or None
+    if endpoint and urlparse(endpoint).scheme not in ("http", "https"):
+        raise ImproperlyConfigured(f"SIMPLETUNER_ARTIFACT_S3_ENDPOINT_URL must be an http(s):// URL, got {endpoint!r}")
+    return {
+        "BACKEND": "storages.backends.s3.S3Storage",
+        "OPTIONS": {
+            "bucket_name": bucket,
+            "endpoint_url": endpoint,
+            "region_name": os.environ.get("SIMPLETUNER_ARTIFACT_S3_REGION", "").strip() or None,
+            # Credentials: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or any other source boto3 reads.
+            "access_key": os.environ.get("AWS_ACCESS_KEY_ID") or None,
+            "secret_key": os.environ.get("AWS_SECRET_ACCESS_KEY") or None,
+            "file_overwrite": False,
+            "default_acl": None,
+            "querystring_auth": True,
+            "querystring_expire": 300,
+        },
+    }
+
+
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
     "staticfiles": {"BACKEND": "whitenoise.storage.CompressedStaticFilesStorage"},
+    "artifacts": _artifact_storage(),
 }
 WHITENOISE_USE_FINDERS = True
 WHITENOISE_AUTOREFRESH = DEBUG

@@ -18,6 +18,8 @@ urlpatterns = [
     path("api/admin/workers", include("job_queue.api.fleet_urls")),
     path("api/admin/workers", include("workers.api.admin_urls")),
     path("api/queue/", include("job_queue.api.urls")),
+    path("api/artifacts/", include("artifacts.api.urls")),
+    path("api/configs", include("training_configs.api.urls")),
     path("api/audit/", include("audit.api.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),

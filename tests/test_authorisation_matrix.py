@@ -24,7 +24,10 @@ from rest_framework.response import Response
 from rest_framework.test import APIClient, APIRequestFactory, force_authenticate
 from rest_framework.views import APIView
 
+from artifacts.models import Artifact
+from artifacts.tokens import upload_token
 from audit.models import AuditEvent
+from training_configs.models import TrainingConfig
 from job_queue.models import Job, JobAttempt, JobStatus
 from job_queue.tests.factories import JobFactory, job_on_worker
 from workers.models import Token, Worker, WorkerStatus, hash_token
@@ -33,7 +36,7 @@ from workers.tests.factories import UserFactory, WorkerFactory, api_token, worke
 
 # --- the matrix ---------------------------------------------------------------------------------------
 
-WORKER, OPERATOR = "worker", "operator"
+WORKER, OPERATOR, UPLOAD = "worker", "operator", "upload"  # upload: an attempt's upload token (X-Upload-Token)
 SIGNED_IN = "any signed-in operator"  # needs no permission, only an operator's credentials
 
 # route name -> (who calls it, {method: permission}, how another worker's token is refused, or None)
@@ -44,6 +47,12 @@ ROUTES = {
     "worker-queue": (WORKER, {"GET": WORKER, "POST": WORKER}, 403),
     "worker-disconnect": (WORKER, {"POST": WORKER}, 403),
     "worker-stream": (WORKER, {"GET": WORKER}, 403),
+    # The artifact store's attempt side: another attempt's token (one that no longer holds its job) is a 409.
+    "artifact-object": (UPLOAD, {"GET": UPLOAD, "PUT": UPLOAD}, 409),
+    "checkpoint-complete": (UPLOAD, {"POST": UPLOAD}, 409),
+    "artifact-download": (OPERATOR, {"GET": "artifacts.download_artifact"}, None),
+    "config-list": (OPERATOR, {"GET": "configs.view_trainingconfig", "POST": "configs.add_trainingconfig"}, None),
+    "config-detail": (OPERATOR, {"GET": "configs.view_trainingconfig"}, None),
     "admin-workers": (OPERATOR, {"GET": "workers.view_worker", "POST": "workers.add_worker"}, None),
     "admin-worker": (OPERATOR, {"GET": "workers.view_worker", "DELETE": "workers.delete_worker"}, None),
     "admin-worker-drain": (OPERATOR, {"POST": "workers.drain_worker"}, None),
@@ -84,13 +93,15 @@ ADMIN_ACTIONS = {
     ("queue.job", "retry_jobs"): "queue.retry_job",
     ("queue.job", "button:cancel"): "queue.cancel_job",
     ("queue.job", "button:retry"): "queue.retry_job",
+    ("configs.trainingconfig", "add"): "configs.add_trainingconfig",
 }
-OUR_APPS = {"workers", "queue", "audit"}
+OUR_APPS = {"workers", "queue", "audit", "artifacts", "configs"}
 # What an admin page needs to be reached at all, beside the action's own permission.
 ADMIN_VIEW = {
     "workers.worker": "workers.view_worker",
     "workers.token": "workers.view_token",
     "queue.job": "queue.view_job",
+    "configs.trainingconfig": "configs.view_trainingconfig",
 }
 
 
@@ -171,6 +182,14 @@ class World:
         gone.delete()
         self.offline = WorkerFactory(name="worker-offline", offline=True)
         self.queued, self.failed = JobFactory(), JobFactory(status=JobStatus.FAILED)
+        self.upload_token = upload_token(self.a_job.lease_id)
+        stale = job_on_worker(WorkerFactory(name="worker-requeued"))
+        self.stale_upload_token = upload_token(stale.lease_id)
+        Job.objects.filter(pk=stale.pk).update(status=JobStatus.QUEUED, lease_id=None, worker=None)
+        self.artifact = Artifact.objects.create(
+            job_id=self.failed.pk, key="out/model.bin", storage_name="outputs/none", size=0, sha256="0" * 64,
+            lease_id="a_gone", attempt_number=1,
+        )
         root = UserFactory(is_superuser=True, is_staff=True)
         self.operator_token = api_token(root)
         self.revoked_operator_token = api_token(root)
@@ -186,6 +205,14 @@ class World:
             kwargs["job_id"] = self.queued.pk
         if name == "queue-job-retry":
             kwargs["job_id"] = self.failed.pk
+        if name == "artifact-object":
+            kwargs.update(bucket="out", key="checkpoint-5/model.bin")
+        if name == "checkpoint-complete":
+            kwargs["step"] = "5"
+        if name == "artifact-download":
+            kwargs["artifact_id"] = self.artifact.pk
+        if name == "config-detail":
+            kwargs["name"] = "sdxl-lora"
         return reverse(name, kwargs=kwargs) + (f"?{urlencode(query)}" if query else "")
 
 
@@ -196,6 +223,8 @@ def state():
         "tokens": list(Token.objects.order_by("pk").values("pk", "kind", "worker_id", "user_id", "revoked_at")),
         "jobs": list(Job.objects.order_by("pk").values()),
         "attempts": list(JobAttempt.objects.order_by("pk").values()),
+        "artifacts": list(Artifact.objects.order_by("pk").values()),
+        "configs": list(TrainingConfig.objects.order_by("pk").values()),
         "events": Event.objects.count(),
         "successful audit rows": list(AuditEvent.objects.filter(success=True).values_list("pk", flat=True)),
     }
@@ -216,10 +245,23 @@ def _call(client, method, url, body=None):
     return getattr(client, method.lower())(url, body or {}, format="json")
 
 
+def _upload_client(secret):
+    return _client(HTTP_X_UPLOAD_TOKEN=secret)
+
+
 def refusing_callers(world, kind, permission, another_worker_status):
     """Return ``[(caller, client, expected status, url query, body)]``: every caller the route must refuse."""
     bearer = lambda secret: _client(HTTP_AUTHORIZATION=f"Bearer {secret}")  # noqa: E731
     worker = lambda secret: _client(HTTP_X_WORKER_TOKEN=secret)  # noqa: E731
+    if kind == UPLOAD:
+        return [
+            ("none", _client(), 401, None, None),
+            ("malformed token", _upload_client("not a token!"), 401, None, None),
+            ("a token signed with another key", _upload_client("stu_" + world.a_job.lease_id + ":forged"), 401, None, None),
+            ("a worker token", worker(world.a_token), 401, None, None),
+            ("an operator token", bearer(world.operator_token), 401, None, None),
+            ("the token of an attempt that lost its job", _upload_client(world.stale_upload_token), another_worker_status, None, None),
+        ]
     own = bearer if kind == OPERATOR else worker
     callers = [
         ("none", _client(), 401, None, None),
@@ -298,8 +340,11 @@ def check_route(name, method):
 
     if name == "worker-stream":
         return  # an accepted stream stays open; tests/e2e open real ones
-    allowed = _client(HTTP_X_WORKER_TOKEN=world.a_token) if kind == WORKER else _permitted(permission)
-    response = _call(allowed, method, world.url(name), {"name": "a-new-one", "config_name": "c"})
+    if kind == UPLOAD:
+        allowed = _upload_client(world.upload_token)
+    else:
+        allowed = _client(HTTP_X_WORKER_TOKEN=world.a_token) if kind == WORKER else _permitted(permission)
+    response = _call(allowed, method, world.url(name), {"name": "a-new-one", "config_name": "c", "config": {}})
     assert response.status_code not in (401, 403, 429), f"{response.status_code} {response.content[:300]!r}"
 
 
@@ -342,6 +387,7 @@ ADD_FORMS = {
     "workers.worker": {"name": "new-one", "worker_type": "persistent", "labels": ""},
     "queue.job": {"config_name": "c", "config": "{}", "target": "worker", "priority": "0"},
     "workers.token": {"description": "matrix", "expires": "7"},  # user: the caller (set by admin_request)
+    "configs.trainingconfig": {"name": "sdxl-lora", "config": '{"lr": 1}', "dataloader": "", "description": ""},
 }
 
 

@@ -29,6 +29,8 @@ def test_no_missing_migrations():
 
 GROUPS_MIGRATION = importlib.import_module("simpletuner_site.migrations.0001_operator_groups")
 SPLIT_MIGRATION = importlib.import_module("workers.migrations.0003_worker_permissions")
+ARTIFACTS_MIGRATION = importlib.import_module("artifacts.migrations.0002_artifact_permissions")
+CONFIGS_MIGRATION = importlib.import_module("training_configs.migrations.0002_config_permissions")
 EDITOR = SimpleNamespace(connection=connection)
 
 
@@ -42,13 +44,16 @@ def _group_permissions():
 @pytest.mark.django_db
 def test_the_operator_groups_are_shipped_with_their_permissions():
     GROUPS_MIGRATION.create_operator_groups(apps, EDITOR)  # a transactional test may have emptied the tables
+    ARTIFACTS_MIGRATION.grant(apps, EDITOR)
+    CONFIGS_MIGRATION.grant(apps, EDITOR)
 
     groups = _group_permissions()
 
     assert set(groups) >= {"viewer", "operator", "admin"}
-    assert groups["viewer"] == sorted(GROUPS_MIGRATION.VIEWER)
-    assert groups["operator"] == sorted(GROUPS_MIGRATION.OPERATOR)
-    assert groups["admin"] == sorted(GROUPS_MIGRATION.ADMIN)
+    for name, shipped in (("viewer", GROUPS_MIGRATION.VIEWER), ("operator", GROUPS_MIGRATION.OPERATOR), ("admin", GROUPS_MIGRATION.ADMIN)):
+        assert groups[name] == sorted({*shipped, *ARTIFACTS_MIGRATION.GRANTS[name], *CONFIGS_MIGRATION.GRANTS[name]}), name
+    assert "artifacts.download_artifact" not in groups["viewer"]
+    assert "artifacts.download_artifact" in groups["operator"]
     assert set(GROUPS_MIGRATION.VIEWER) < set(GROUPS_MIGRATION.OPERATOR) < set(GROUPS_MIGRATION.ADMIN)
     assert all(p.startswith(("workers.view_", "queue.view_", "audit.view_")) for p in GROUPS_MIGRATION.VIEWER)
 

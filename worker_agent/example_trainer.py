@@ -4,15 +4,20 @@
 ``CONFIG_PATH`` (as the agent runs any trainer), learns to separate two noisy Gaussian blobs made
 from ``seed``, reports progress with :func:`worker_agent.progress.report`, and writes
 ``checkpoint.json`` into the job directory: ``output_dir`` from the config when given (created if
-missing; relative to the working directory), else the directory holding the config file.
+missing; relative to the working directory), else the directory holding the config file. Every
+``checkpoint_every`` steps it writes ``checkpoint-<step>/checkpoint.json`` there (SimpleTuner's layout)
+and, when the agent passed an upload endpoint and token, publishes it (``example_publish``); with
+``resume_from_checkpoint`` naming such a directory it continues from that step.
 
 Config keys (each also accepted as ``--name``, as SimpleTuner writes them; others are ignored):
 ``max_train_steps`` (100), ``learning_rate`` (0.1), ``seed`` (42), ``train_batch_size`` (32),
-``checkpoint_every`` (25 steps; 0 writes only the final checkpoint), ``output_dir``, and for demos
+``checkpoint_every`` (25 steps; 0 writes only the final checkpoint), ``output_dir``,
+``resume_from_checkpoint`` (a checkpoint directory's name in ``output_dir``), and for demos
 and tests ``step_delay`` (seconds to pause after each step, 0) and ``fail_at_step`` (fail with exit
 code 3 when that step is reached).
 
-Exit codes: 0 done; 1 the checkpoint could not be written; 2 no usable config; 3 ``fail_at_step``;
+Exit codes: 0 done; 1 the checkpoint could not be written; 2 no usable config (or checkpoint to
+resume from); 3 ``fail_at_step``;
 143 / 130 stopped by SIGTERM / SIGINT at a step boundary, after saving a checkpoint.
 """
 
@@ -26,6 +31,8 @@ import sys
 import tempfile
 import threading
 
+from . import protocol
+from .example_publish import PublishError, Publisher
 from .progress import report
 
 DATASET_SIZE = 512
@@ -42,6 +49,7 @@ CONFIG_KEYS = {
     "step_delay": (float, 0.0, 0.0),
     "fail_at_step": (int, None, None),
     "output_dir": (str, None, None),
+    "resume_from_checkpoint": (str, None, None),
 }
 
 
@@ -223,8 +231,29 @@ def _log(text):
     print(text, flush=True)
 
 
-def train(config, job_dir, stop):
-    """Run the training loop with ``config`` (from :func:`parse_config`), checkpointing into ``job_dir``.
+def load_resume(config, job_dir):
+    """Return the state in ``job_dir/<resume_from_checkpoint>/checkpoint.json``, or None when not resuming.
+
+    Raise ConfigError when it is missing, unreadable or of another seed.
+    """
+    name = config["resume_from_checkpoint"]
+    if not name:
+        return None
+    path = os.path.join(job_dir, name, CHECKPOINT_NAME)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            state = json.load(handle)
+        step, weights = int(state["step"]), [float(w) for w in state["weights"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"cannot resume from {path}: {exc}") from None
+    if state.get("seed") != config["seed"] or len(weights) != 3:
+        raise ConfigError(f"cannot resume from {path}: it is not a checkpoint of this run (seed {state.get('seed')})")
+    return {**state, "step": step, "weights": weights}
+
+
+def train(config, job_dir, stop, resume=None, publisher=None):
+    """Run the training loop with ``config`` (from :func:`parse_config`), checkpointing into ``job_dir``,
+    from ``resume`` (a checkpoint's state) when given; publish step checkpoints with ``publisher``.
 
     Return the process exit code: 0 when all steps ran, 3 at ``fail_at_step``, 128 + the signal
     number when ``stop`` was requested, 1 if a checkpoint cannot be written.
@@ -235,10 +264,15 @@ def train(config, job_dir, stop):
     points = make_dataset(seed)
     weights = init_weights(seed)
     batches = iterate_batches(points, config["train_batch_size"], seed)
-    loss, accuracy = loss_and_accuracy(weights, points)
     step = epoch = 0
+    if resume is not None:
+        weights, step, epoch = resume["weights"], min(resume["step"], total), resume.get("epoch", 0)
+        for _ in range(step):  # the same batches as an uninterrupted run would see from here
+            epoch, _batch = next(batches)
+        _log(f"resumed from checkpoint-{step} at step {step}")
+    loss, accuracy = loss_and_accuracy(weights, points)
 
-    def save():
+    def save(directory=job_dir):
         state = {
             "model": "logistic_regression",
             "step": step,
@@ -252,16 +286,30 @@ def train(config, job_dir, stop):
             "complete": step == total,
         }
         try:
-            return write_checkpoint(job_dir, state)
+            os.makedirs(directory, exist_ok=True)
+            return write_checkpoint(directory, state)
         except OSError as exc:
-            print(f"error: cannot write checkpoint in {job_dir}: {exc}", file=sys.stderr, flush=True)
+            print(f"error: cannot write checkpoint in {directory}: {exc}", file=sys.stderr, flush=True)
             return None
+
+    def save_step():
+        directory = os.path.join(job_dir, f"{protocol.CHECKPOINT_PREFIX}{step}")
+        if save(directory) is None:
+            return False
+        _log(f"checkpoint saved at step {step}")
+        if publisher is not None:
+            try:
+                publisher.publish_checkpoint(directory, step)
+                _log(f"checkpoint-{step} published")
+            except PublishError as exc:
+                print(f"warning: checkpoint-{step} not published: {exc}", file=sys.stderr, flush=True)
+        return True
 
     _log(
         f"example trainer: logistic regression on {len(points)} points, {total} steps, "
         f"batch {config['train_batch_size']}, lr {learning_rate}, seed {seed}, checkpoints in {job_dir}"
     )
-    report(0, total or None, loss=loss, learning_rate=learning_rate, metrics={"accuracy": accuracy})
+    report(step, total or None, loss=loss, learning_rate=learning_rate, metrics={"accuracy": accuracy})
     while step < total:
         if stop.is_set():
             break
@@ -276,9 +324,8 @@ def train(config, job_dir, stop):
         if step % LOG_EVERY == 0 or step == total:
             _log(f"step {step}/{total} loss {loss:.4f} acc {accuracy:.3f}")
         if config["checkpoint_every"] and step % config["checkpoint_every"] == 0 and step < total:
-            if save() is None:
+            if not save_step():
                 return 1
-            _log(f"checkpoint saved at step {step}")
         if config["step_delay"] and step < total:
             stop.wait(config["step_delay"])
     if save() is None:
@@ -313,13 +360,14 @@ def main(argv=None):
             os.makedirs(job_dir, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"cannot create output_dir {job_dir}: {exc}") from None
+        resume = load_resume(config, job_dir)
     except ConfigError as exc:
         print(f"example_trainer: {exc}", file=sys.stderr, flush=True)
         return 2
     stop = StopRequest()
     previous = _install_handlers(stop)
     try:
-        return train(config, job_dir, stop)
+        return train(config, job_dir, stop, resume, Publisher.from_environment())
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

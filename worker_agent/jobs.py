@@ -14,6 +14,7 @@ from pathlib import Path
 
 from . import journal, protocol, supervisor
 from . import progress as progress_protocol
+from .artifacts import ArtifactTransfer, TransferError
 from .client import FatalError, Refused, Rejected, TransientError
 from .runner import STOP_ABANDON, STOP_AGENT_EXIT, STOP_CANCEL, describe_exit, exit_report
 
@@ -197,7 +198,14 @@ class JobsMixin:
     def _launch(self, data):
         job_id, attempt = str(data["job_id"]), data.get("attempt")
         label = data.get("config_name") or job_id
+        transfer = None
+        if data.get("upload_token") and data.get("upload_endpoint"):
+            transfer = ArtifactTransfer(
+                base_url=self.client.base_url, upload_endpoint=data["upload_endpoint"], token=data["upload_token"], verify=self.client.verify
+            )
         run = self.run_factory(
+            transfer=transfer,
+            resume=data.get("resume") if transfer is not None else None,
             job_id=job_id,
             attempt=attempt,
             config=data.get("config") or {},
@@ -210,9 +218,11 @@ class JobsMixin:
         )
         try:
             run.start()
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, TransferError) as exc:
             why = getattr(exc, "strerror", None) or str(exc)
             error = f"cannot start the training command {self.command[0]!r}: {why}"
+            if isinstance(exc, TransferError):
+                error = f"cannot fetch the checkpoint to resume from: {exc}"
             logger.error("Job %s failed to start: %s", job_id, error)
             self._remember_attempt(attempt)
             failure: protocol.JobReport = {"status": protocol.FAILED, "attempt": attempt, "error": error}
@@ -339,6 +349,9 @@ class JobsMixin:
             logger.info("Job %s stopped (%s); not reported", run.job_id, describe_exit(code))
             self._after_job(reported=False)
             return
+        if body["status"] == protocol.COMPLETED and getattr(run, "upload_error", None):
+            # The trainer finished but its outputs are not in the artifact store: not a completed job.
+            body.update(status=protocol.FAILED, error=f"training finished but its outputs could not be uploaded: {run.upload_error}")
         if body["status"] == protocol.CANCELLED:
             logger.info("Job %s cancelled after %s", run.job_id, took)
         elif body["status"] == protocol.COMPLETED:

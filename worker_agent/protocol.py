@@ -26,6 +26,50 @@ def job_status_path(job_id):
     return JOB_STATUS_PATH.format(job_id=job_id)
 
 
+# --- the artifact store (S3-style, as SimpleTuner's own orchestrator serves it) ------------------
+
+# A trainer PUTs (and a resuming agent GETs) ``{upload_endpoint}/{bucket}/{key}`` with its attempt's token.
+UPLOAD_PATH = "/api/cloud/storage"
+UPLOAD_TOKEN_HEADER = "X-Upload-Token"
+UPLOAD_SECRET_HEADER = "X-SimpleTuner-Secret"  # the same token, as SimpleTuner's publishing providers send it
+# POST: the attempt declares the checkpoint of ``step`` complete (all its files uploaded).
+CHECKPOINT_COMPLETE_PATH = "/api/cloud/checkpoints/{step}/complete"
+# What the agent hands the trainer (SimpleTuner reads these names).
+UPLOAD_ENDPOINT_ENV = "SIMPLETUNER_UPLOAD_ENDPOINT"
+UPLOAD_TOKEN_ENV = "SIMPLETUNER_UPLOAD_TOKEN"
+# The config key SimpleTuner resumes from: a checkpoint directory's name inside ``output_dir``.
+RESUME_CONFIG_KEY = "resume_from_checkpoint"
+OUTPUT_DIR_CONFIG_KEY = "output_dir"
+# A checkpoint is the files under a path segment named so (SimpleTuner's own layout).
+CHECKPOINT_PREFIX = "checkpoint-"
+KEY_MAX_CHARS = 1024
+
+
+def checkpoint_complete_path(step):
+    """Return the path an attempt POSTs to declare its checkpoint of ``step`` complete."""
+    return CHECKPOINT_COMPLETE_PATH.format(step=int(step))
+
+
+def checkpoint_step(key):
+    """Return ``(step, index of the segment)`` of the last ``checkpoint-<step>`` segment of ``key``'s
+    directories, or None when the key is no checkpoint file."""
+    segments = key.split("/")
+    for index in range(len(segments) - 2, -1, -1):
+        segment = segments[index]
+        digits = segment[len(CHECKPOINT_PREFIX) :]
+        if segment.startswith(CHECKPOINT_PREFIX) and digits.isascii() and digits.isdigit() and len(digits) <= 18:
+            return int(digits), index
+    return None
+
+
+def checkpoint_relative_path(key):
+    """Return ``checkpoint-<step>/...``: where a checkpoint file of ``key`` goes inside ``output_dir``."""
+    found = checkpoint_step(key)
+    if found is None:
+        raise ValueError(f"{key!r} is not a checkpoint file")
+    return "/".join(key.split("/")[found[1] :])
+
+
 # --- SSE events (carried as the `event:` field and as `type` in the JSON data) ------------------
 
 JOB_SUBMIT = "job_submit"
@@ -48,8 +92,35 @@ class JobSubmitEvent(TypedDict):
     config: dict
     dataloader: dict | list | None
     upload_endpoint: str  # the upstream agent reads it without a default: always present
+    upload_token: str  # this attempt's own: valid only while the attempt holds the job
     attempt: str  # the attempt's lease id: echoed in every report about this attempt
     attempt_number: int
+    resume: "ResumeCheckpoint | None"  # the latest complete checkpoint of an earlier attempt, if any
+
+
+class CheckpointFile(TypedDict):
+    key: str
+    size: int
+    sha256: str
+    download_url: str  # a path under UPLOAD_PATH: GET it with this attempt's upload token
+
+
+class ResumeCheckpoint(TypedDict):
+    step: int
+    checkpoint: str  # the directory's name, ``checkpoint-<step>``: SimpleTuner's resume_from_checkpoint
+    attempt: int  # the number of the attempt that wrote it
+    files: list  # of CheckpointFile
+
+
+class UploadResponse(TypedDict):
+    Key: str
+    Bucket: str
+    ETag: str
+    key: str  # the artifact's key in the job's namespace
+    size: int
+    sha256: str
+    attempt: int
+    checkpoint_step: int | None
 
 
 class JobCancelEvent(TypedDict):
@@ -231,3 +302,7 @@ JOB_CANCELLED = "job_cancelled"
 STALE_REPORT_CODES = frozenset({JOB_NOT_OWNED, STALE_ATTEMPT, JOB_CANCELLED})
 # 401: the token is missing, unknown or revoked.
 NOT_AUTHENTICATED = "not_authenticated"
+# Refusals of an upload (besides 401 NOT_AUTHENTICATED and 409 STALE_ATTEMPT): 400 and 413. Not retried.
+INVALID_KEY = "invalid_key"
+UPLOAD_TOO_LARGE = "upload_too_large"
+QUOTA_EXCEEDED = "quota_exceeded"

@@ -17,6 +17,7 @@ from pathlib import Path
 from . import progress as progress_protocol
 from . import protocol
 from . import supervisor
+from .artifacts import MANIFEST_FILE, TransferError
 from .supervisor import parent_death_signal  # noqa: F401 - the harnesses and the local worker use it from here
 
 logger = logging.getLogger(__name__)
@@ -112,10 +113,17 @@ def describe_exit(code):
     return f"exited with code {code}"
 
 
+def _config_key(config, name):
+    """Return the config key ``name``, in the config's own style (``--x`` or ``x``)."""
+    if name in config or f"--{name}" in config:
+        return name if name in config else f"--{name}"
+    dashed = any(str(key).startswith("--") for key in config)
+    return f"--{name}" if dashed else name
+
+
 def _dataloader_key(config):
     """Return the config key naming the dataloader file, in the config's own style (``--x`` or ``x``)."""
-    dashed = any(str(key).startswith("--") for key in config)
-    return "--data_backend_config" if dashed else "data_backend_config"
+    return _config_key(config, "data_backend_config")
 
 
 def split_lines(data):
@@ -186,8 +194,14 @@ class JobRun:
     SIGKILL after ``grace`` seconds.
     """
 
-    def __init__(self, *, job_id, attempt, config, dataloader, work_dir, command, on_exit, grace=30.0, clock=time.monotonic):
+    def __init__(
+        self, *, job_id, attempt, config, dataloader, work_dir, command, on_exit, grace=30.0, clock=time.monotonic,
+        transfer=None, resume=None,
+    ):  # fmt: skip
         self.job_id = str(job_id)
+        self.transfer = transfer  # artifacts.ArtifactTransfer of this attempt, or None (no artifact store)
+        self.resume = resume  # the protocol.ResumeCheckpoint to start from, or None
+        self.upload_error = None  # why the output directory could not be uploaded, if it could not
         self.attempt = attempt
         self.config = dict(config or {})
         self.dataloader = dataloader
@@ -208,10 +222,26 @@ class JobRun:
 
     # --- set-up -------------------------------------------------------------------------------
 
+    def output_dir(self):
+        """The declared output directory: the config's ``output_dir`` (relative to the job directory, where the
+        trainer runs), else ``<job dir>/output``."""
+        raw = self.config.get(_config_key(self.config, protocol.OUTPUT_DIR_CONFIG_KEY))
+        path = Path(str(raw)) if raw else self.job_dir / "output"
+        return path if path.is_absolute() else self.job_dir / path
+
     def prepare(self):
-        """Create the job directory and write the config files; return the config path."""
+        """Create the job directory, fetch the checkpoint to resume from, and write the config files; return
+        the config path. Raise TransferError if the checkpoint cannot be fetched."""
         self.job_dir.mkdir(parents=True, exist_ok=True)
         config = dict(self.config)
+        if self.transfer is not None:
+            output = self.output_dir()
+            output.mkdir(parents=True, exist_ok=True)
+            config[_config_key(config, protocol.OUTPUT_DIR_CONFIG_KEY)] = str(output)
+            if self.resume:
+                self.transfer.download_checkpoint(self.resume, output, manifest_path=self.job_dir / MANIFEST_FILE)
+                config[_config_key(config, protocol.RESUME_CONFIG_KEY)] = self.resume["checkpoint"]
+                logger.info("job %s: resuming from %s (step %s)", self.job_id, self.resume["checkpoint"], self.resume["step"])
         if self.dataloader is not None:
             loader_path = self.job_dir / DATALOADER_FILE
             _write_json(loader_path, self.dataloader)
@@ -232,6 +262,9 @@ class JobRun:
                 "PYTHONUNBUFFERED": "1",
             }
         )
+        if self.transfer is not None:  # as SimpleTuner's trainer reads them (and uploads there itself)
+            env[protocol.UPLOAD_ENDPOINT_ENV] = self.transfer.endpoint_url
+            env[protocol.UPLOAD_TOKEN_ENV] = self.transfer.token
         return env
 
     def supervised_command(self):
@@ -318,9 +351,21 @@ class JobRun:
         self._signal(signal.SIGTERM)  # children the trainer left behind would hold GPU memory
         self._ended.set()
         reader.join(timeout=5)
+        if self.returncode == 0 and self.stop_reason is None and self.transfer is not None:
+            self._upload_outputs()
         self.finished_at = self._clock()
         self._stopping.set()
         self._on_exit(self)
+
+    def _upload_outputs(self):
+        """Upload the output directory (before the result is reported); record why not in ``upload_error``."""
+        try:
+            sent = self.transfer.upload_dir(self.output_dir(), manifest_path=self.job_dir / MANIFEST_FILE)
+        except (TransferError, OSError) as exc:
+            self.upload_error = str(exc)
+            logger.error("job %s: its outputs could not be uploaded: %s", self.job_id, exc)
+        else:
+            logger.info("job %s: %d output file(s) uploaded", self.job_id, sent)
 
     def wait(self, timeout=None):
         """Wait up to ``timeout`` seconds for the process to end; return whether it has."""

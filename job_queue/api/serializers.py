@@ -1,7 +1,9 @@
 """Request and response shapes of the queue API."""
 
+from django.urls import reverse
 from rest_framework import serializers
 
+from artifacts.selectors import artifacts_for_job, attempt_steps
 from common.fields import BoundedInt, BoundedJSON, BoundedText, Labels, StrictBoolean
 from common.http import api_url
 from common.inputs import GPU_COUNT_MAX
@@ -36,6 +38,8 @@ class JobSerializer(serializers.ModelSerializer):
     submitted_by = serializers.SerializerMethodField()
     waiting_reason = serializers.SerializerMethodField()
     url = serializers.SerializerMethodField(help_text="This job's own address in the API.")
+    config_version = serializers.SerializerMethodField(help_text="The stored config version the job runs; null: config not stored.")
+    config_stored = serializers.SerializerMethodField()
 
     class Meta:
         model = Job
@@ -43,6 +47,8 @@ class JobSerializer(serializers.ModelSerializer):
             "id",
             "url",
             "config_name",
+            "config_version",
+            "config_stored",
             "config",
             "dataloader",
             "target",
@@ -75,6 +81,11 @@ class JobSerializer(serializers.ModelSerializer):
 
     def get_url(self, job) -> str:
         return api_url(self.context.get("request"), "queue-job", job_id=job.pk)
+    def get_config_version(self, job) -> int | None:
+        return job.training_config.version if job.training_config_id else None
+
+    def get_config_stored(self, job) -> bool:
+        return job.training_config_id is not None
 
     def get_waiting_reason(self, job) -> str | None:
         if not self.context.get("with_reason"):
@@ -82,12 +93,37 @@ class JobSerializer(serializers.ModelSerializer):
         return job_waiting_reason(job)
 
 
+class ArtifactSerializer(serializers.Serializer):
+    key = serializers.CharField()
+    size = serializers.IntegerField()
+    sha256 = serializers.CharField()
+    attempt = serializers.IntegerField(source="attempt_number")
+    checkpoint_step = serializers.IntegerField(allow_null=True)
+    download_url = serializers.SerializerMethodField(help_text="Needs the artifacts.download_artifact permission.")
+
+    def get_download_url(self, artifact) -> str:
+        return reverse("artifact-download", kwargs={"artifact_id": artifact.pk})
+
+
 class JobDetailSerializer(JobSerializer):
-    attempts = JobAttemptSerializer(many=True, read_only=True)
+    attempts = serializers.SerializerMethodField()
+    artifacts = serializers.SerializerMethodField()
 
     class Meta(JobSerializer.Meta):
-        fields = [*JobSerializer.Meta.fields, "attempts"]
+        fields = [*JobSerializer.Meta.fields, "attempts", "artifacts"]
         read_only_fields = fields
+
+    def get_attempts(self, job) -> list[dict]:
+        """Each attempt, with the step it started from (a resumed checkpoint's) and the furthest it reported."""
+        steps = attempt_steps(job.pk)
+        rows = JobAttemptSerializer(job.attempts.all(), many=True).data
+        for row in rows:
+            start, reached = steps.get(row["lease_id"], (0, None))
+            row["start_step"], row["reached_step"] = start, reached
+        return rows
+
+    def get_artifacts(self, job) -> list[dict]:
+        return ArtifactSerializer(artifacts_for_job(job.pk), many=True).data
 
 
 class JobSubmittedSerializer(JobSerializer):

@@ -53,7 +53,7 @@ class JobListView(ListAPIView):
     serializer_class = JobSerializer
 
     def get_queryset(self):
-        jobs = Job.objects.select_related("submitted_by")
+        jobs = Job.objects.select_related("submitted_by", "training_config")
         statuses = status_filter(self.request, JobStatus.values)
         if statuses:
             jobs = jobs.filter(status__in=statuses)
@@ -76,7 +76,7 @@ class JobDetailView(APIView):
         responses={200: JobDetailSerializer, **error_responses(401, 403, 404)},
     )
     def get(self, request, job_id):
-        job = Job.objects.select_related("submitted_by").prefetch_related("attempts").filter(pk=job_id).first()
+        job = Job.objects.select_related("submitted_by", "training_config").prefetch_related("attempts").filter(pk=job_id).first()
         if job is None:
             raise NotFound(f"job {job_id} does not exist")
         return Response(JobDetailSerializer(job, context={"with_reason": True, "request": request}).data)

@@ -5,6 +5,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
+from artifacts.tokens import upload_token
 from audit import actions
 from audit.services import Actor
 from job_queue.models import JobAttempt, JobStatus, JobTarget
@@ -53,9 +54,11 @@ def test_dispatch_assigns_the_job_records_the_attempt_and_sends_job_submit(commi
                 "config_name": job.config_name,
                 "config": {"model_type": "lora", "num_processes": 1},
                 "dataloader": [{"id": "pics"}],
-                "upload_endpoint": f"/api/workers/job/{job.pk}/status",
+                "upload_endpoint": "/api/cloud/storage",
+                "upload_token": upload_token(job.lease_id),
                 "attempt": job.lease_id,
                 "attempt_number": 1,
+                "resume": None,
             },
         }
     ]

@@ -113,16 +113,14 @@ def test_report_without_a_token_is_401(api_client):
     assert _reload(job).status == JobStatus.RUNNING
 
 
-def test_the_agent_reports_to_the_upload_endpoint_and_attempt_it_was_sent(worker_client, commit):
+def test_the_agent_reports_the_attempt_it_was_sent(worker_client, commit):
     worker = WorkerFactory()
     job = JobFactory()
     with commit():
         dispatch_for_job(job.pk)
     (event,) = sent_events(worker.pk)
 
-    response = worker_client(worker).post(
-        event["data"]["upload_endpoint"], {"status": "starting", "attempt": event["data"]["attempt"]}
-    )
+    response = worker_client(worker).post(status_url(job.pk), {"status": "starting", "attempt": event["data"]["attempt"]})
 
     assert response.status_code == 200
     assert _reload(job).status == JobStatus.RUNNING

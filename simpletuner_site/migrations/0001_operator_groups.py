@@ -6,7 +6,7 @@ administrator added to these groups stay.
 
 from django.db import migrations
 
-from common.migration_kit import create_app_permissions, permissions_by_name
+from common.migration_kit import grant_group_permissions
 
 VIEWER = (
     "workers.view_worker",
@@ -33,12 +33,7 @@ GROUPS = {"viewer": VIEWER, "operator": OPERATOR, "admin": ADMIN}
 
 def create_operator_groups(apps, schema_editor):
     """Create the groups if missing and give each every permission of its list."""
-    create_app_permissions(apps, schema_editor, "workers", "queue", "audit")
-    Group = apps.get_model("auth", "Group")
-    permissions = permissions_by_name(apps, {name for names in GROUPS.values() for name in names})
-    for group_name, names in GROUPS.items():
-        group, _ = Group.objects.get_or_create(name=group_name)
-        group.permissions.add(*(permissions[name] for name in names))
+    grant_group_permissions(apps, schema_editor, GROUPS, "workers", "queue", "audit")
 
 
 class Migration(migrations.Migration):

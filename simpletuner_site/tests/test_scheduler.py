@@ -18,16 +18,20 @@ def test_beat_schedule_and_embedded_schedule_are_one_list():
 
 
 def test_every_sweep_is_scheduled_on_the_health_interval_and_the_ack_sweep_within_half_its_timeout(settings):
+    from artifacts.sweeps import sweep_expired_artifacts
     from job_queue.dispatch import dispatch_pending
     from job_queue.sweeps import sweep_stale_workers, sweep_unacknowledged_dispatches
     from workers.sweeps import sweep_offline_ephemeral_workers
 
-    settings.SIMPLETUNER = {**settings.SIMPLETUNER, "HEALTH_CHECK_INTERVAL": 60, "DISPATCH_ACK_TIMEOUT": 60}
+    settings.SIMPLETUNER = {
+        **settings.SIMPLETUNER, "HEALTH_CHECK_INTERVAL": 60, "DISPATCH_ACK_TIMEOUT": 60, "ARTIFACT_SWEEP_INTERVAL": 3600,
+    }
     assert sweep_schedule() == [
         ("queue.sweep_stale_workers", sweep_stale_workers, 60),
         ("queue.sweep_unacknowledged_dispatches", sweep_unacknowledged_dispatches, 30),
         ("workers.sweep_offline_ephemeral_workers", sweep_offline_ephemeral_workers, 60),
         ("queue.dispatch_pending", dispatch_pending, 60),
+        ("artifacts.sweep_expired_artifacts", sweep_expired_artifacts, 3600),  # its own interval
     ]
     settings.SIMPLETUNER = {**settings.SIMPLETUNER, "HEALTH_CHECK_INTERVAL": 20, "DISPATCH_ACK_TIMEOUT": 300}
     assert {name: interval for name, _fn, interval in sweep_schedule()} == {
@@ -35,6 +39,7 @@ def test_every_sweep_is_scheduled_on_the_health_interval_and_the_ack_sweep_withi
         "queue.sweep_unacknowledged_dispatches": 20,
         "workers.sweep_offline_ephemeral_workers": 20,
         "queue.dispatch_pending": 20,
+        "artifacts.sweep_expired_artifacts": 3600,
     }
 
 

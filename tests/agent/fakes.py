@@ -53,6 +53,8 @@ class FakeClient:
     def __init__(self):
         self.calls = []
         self.answers = {}  # name -> list of results or exceptions (last one repeats)
+        self.base_url = "http://orch:8001"
+        self.verify = True
 
     def script(self, name, *answers):
         self.answers[name] = list(answers)
@@ -118,8 +120,9 @@ class FakeRun:
 
     instances = []
 
-    def __init__(self, *, job_id, attempt, config, dataloader, work_dir, command, on_exit, grace, clock):
+    def __init__(self, *, job_id, attempt, config, dataloader, work_dir, command, on_exit, grace, clock, transfer=None, resume=None):
         self.job_id, self.attempt, self.config, self.dataloader = job_id, attempt, config, dataloader
+        self.transfer, self.resume = transfer, resume
         self.job_dir = work_dir / job_id
         self.on_exit = on_exit
         self.returncode = None

@@ -190,6 +190,29 @@ def test_job_acknowledged_then_started_then_completed():
     assert agent.job is None and agent.exit_code is None  # persistent: waits for the next job
 
 
+def test_the_run_gets_the_attempts_upload_endpoint_token_and_resume():
+    agent = registered()
+    resume = {"step": 20, "checkpoint": "checkpoint-20", "attempt": 1, "files": []}
+    run = submit(agent, upload_endpoint=protocol.UPLOAD_PATH, upload_token="stu_a_1:sig", resume=resume)
+    assert run.transfer.endpoint_url == "http://orch:8001/api/cloud/storage"
+    assert run.transfer.token == "stu_a_1:sig" and run.resume == resume
+    bare = submit(agent, job_id="j_2", attempt="a_2")  # no token (an orchestrator without an artifact store)
+    assert bare is run  # queued behind j_1; checked when it starts
+    run.exit(0)
+    pump(agent)
+    assert FakeRun.instances[-1].job_id == "j_2" and FakeRun.instances[-1].transfer is None
+
+
+def test_a_run_whose_outputs_could_not_be_uploaded_is_reported_failed():
+    agent = registered()
+    run = submit(agent, upload_endpoint=protocol.UPLOAD_PATH, upload_token="stu_a_1:sig")
+    run.upload_error = "PUT ... refused: HTTP 413 quota"
+    run.exit(0)
+    pump(agent)
+    _, status, body = agent.client.reports("j_1")[-1]
+    assert status == "failed" and "could not be uploaded" in body["error"] and body["exit_code"] == 0
+
+
 def test_refused_acknowledgement_never_starts_the_process():
     agent = registered()
     agent.client.script("report:starting", refused("j_1", protocol.STALE_ATTEMPT))

@@ -70,7 +70,11 @@ def test_a_run_completes_learns_and_leaves_a_checkpoint(tmp_path):
     assert checkpoint["seed"] == 42
     assert checkpoint["loss"] == losses[-1]
     assert len(checkpoint["weights"]) == 3
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.json", "config.json"]  # no temp files
+    # SimpleTuner's layout: a checkpoint-<step> directory every checkpoint_every steps, no temp files
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "checkpoint-25", "checkpoint-50", "checkpoint-75", "checkpoint.json", "config.json",
+    ]  # fmt: skip
+    assert json.loads((tmp_path / "checkpoint-50" / "checkpoint.json").read_text())["step"] == 50
 
 
 def test_dashed_keys_string_numbers_and_output_dir(tmp_path):
@@ -280,6 +284,7 @@ def test_parse_config_defaults_and_dashed_keys():
         "step_delay": 0.0,
         "fail_at_step": None,
         "output_dir": None,
+        "resume_from_checkpoint": None,
     }
     config = trainer.parse_config({"--train_batch_size": "8", "step_delay": 0.5, "--fail_at_step": 3})
     assert (config["train_batch_size"], config["step_delay"], config["fail_at_step"]) == (8, 0.5, 3)
@@ -294,3 +299,54 @@ def test_write_checkpoint_replaces_the_old_one_and_leaves_no_temporary(tmp_path)
     assert path == str(tmp_path / "checkpoint.json")
     assert json.loads(Path(path).read_text()) == {"step": 2}
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.json"]
+
+
+def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path, capsys):
+    """Resuming from checkpoint-20 replays the same batches from step 20: the same final weights."""
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    whole.mkdir()
+    cut.mkdir()
+    expected = run_in_process(whole, checkpoint_every=20)
+    config = trainer.parse_config({"max_train_steps": 40, "checkpoint_every": 20, "resume_from_checkpoint": "checkpoint-20"})
+    (cut / "checkpoint-20").mkdir()
+    (cut / "checkpoint-20" / "checkpoint.json").write_text((whole / "checkpoint-20" / "checkpoint.json").read_text())
+
+    assert trainer.train(config, str(cut), trainer.StopRequest(), trainer.load_resume(config, str(cut))) == 0
+
+    resumed = json.loads((cut / "checkpoint.json").read_text())
+    assert (resumed["step"], resumed["weights"], resumed["loss"]) == (40, expected["weights"], expected["loss"])
+    assert "resumed from checkpoint-20 at step 20" in capsys.readouterr().out
+
+
+def test_resuming_from_a_missing_checkpoint_is_a_config_error(tmp_path):
+    result = run_trainer(write_config(tmp_path, {"max_train_steps": 5, "resume_from_checkpoint": "checkpoint-9"}))
+    assert result.returncode == 2 and "cannot resume" in result.stderr
+
+
+class FakeResponse:
+    status = 201
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_step_checkpoints_are_published_and_declared_complete(tmp_path):
+    sent = []
+
+    def opener(request, timeout):
+        sent.append((request.get_method(), request.full_url, request.get_header("X-upload-token"), request.data))
+        return FakeResponse()
+
+    publisher = trainer.Publisher("http://orch:8001/api/cloud/storage", "stu_token", opener=opener, sleep=lambda s: None)
+    config = trainer.parse_config({"max_train_steps": 20, "checkpoint_every": 10})
+
+    assert trainer.train(config, str(tmp_path), trainer.StopRequest(), None, publisher) == 0
+
+    assert [(m, u, t) for m, u, t, _ in sent] == [
+        ("PUT", "http://orch:8001/api/cloud/storage/output/checkpoint-10/checkpoint.json", "stu_token"),
+        ("POST", "http://orch:8001/api/cloud/checkpoints/10/complete", "stu_token"),
+    ]
+    assert json.loads(sent[0][3])["step"] == 10

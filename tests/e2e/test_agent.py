@@ -1,5 +1,6 @@
 """The worker agent end to end: real ``python -m worker_agent`` processes (without Django) against a real orchestrator."""
 
+import hashlib
 import json
 import re
 import signal
@@ -118,9 +119,13 @@ def test_job_runs_to_completion_with_progress(orchestrator, fleet, agents):
     assert [a["outcome"] for a in job["attempts"]] == ["completed"]
 
     job_dir = agent.work_dir / job_id
-    assert json.loads((job_dir / "config.json").read_text()) == SHORT_JOB
-    checkpoint = json.loads((job_dir / "checkpoint.json").read_text())
+    # The agent declares the output directory it uploads at the end: <job dir>/output unless the config names one.
+    assert json.loads((job_dir / "config.json").read_text()) == {**SHORT_JOB, "output_dir": str(job_dir / "output")}
+    checkpoint = json.loads((job_dir / "output" / "checkpoint.json").read_text())
     assert (checkpoint["step"], checkpoint["complete"], checkpoint["seed"]) == (35, True, 7)
+    stored = {a["key"]: a for a in job["artifacts"]}
+    assert {"output/checkpoint.json", "output/checkpoint-10/checkpoint.json", "output/checkpoint-30/checkpoint.json"} <= set(stored)
+    assert stored["output/checkpoint.json"]["sha256"] == hashlib.sha256((job_dir / "output" / "checkpoint.json").read_bytes()).hexdigest()
 
     dispatched = orchestrator.audit(target_id=job_id, action="job.dispatched")
     assert [row["details"]["worker"] for row in dispatched] == [worker.id]
@@ -165,7 +170,7 @@ def test_jobs_route_by_labels(orchestrator, fleet, agents):
         assert (job["worker_id"], job["worker_name"]) == (worker.id, worker.name)
         assert [(a["worker_id"], a["outcome"]) for a in job["attempts"]] == [(worker.id, "completed")]
         agent.wait_for_line(f"Job {job_id} completed in")
-        assert (agent.work_dir / job_id / "checkpoint.json").is_file()
+        assert (agent.work_dir / job_id / "output" / "checkpoint.json").is_file()
         assert not other.has_line(job_id), other.describe()
         assert not (other.work_dir / job_id).exists()
 

@@ -1,0 +1,95 @@
+"""The artifact store's S3-style endpoints for attempts (``protocol.UPLOAD_PATH``), authenticated by the
+attempt's upload token: PUT an object, GET one back (resume), declare a checkpoint complete."""
+
+from drf_spectacular.utils import OpenApiResponse, extend_schema
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from artifacts.api.views import artifact_response
+from common.errors import InvalidInput
+from common.http import error_responses
+from common.remote import client_ip
+from worker_agent import protocol
+
+from .. import uploads
+
+
+def _token(request):
+    return request.headers.get(protocol.UPLOAD_SECRET_HEADER) or request.headers.get(protocol.UPLOAD_TOKEN_HEADER) or ""
+
+
+def _declared_length(request):
+    raw = request.META.get("CONTENT_LENGTH") or ""
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise InvalidInput(f"Content-Length must be a number of bytes, not {raw[:40]!r}", code="invalid_length")
+    return int(raw)
+
+
+class UploadTokenView(APIView):
+    """Base of the attempt's artifact endpoints: the upload token is checked by the service, not by DRF."""
+
+    authentication_classes = []
+    permission_classes = []
+
+    def initial(self, request, *args, **kwargs):
+        super().initial(request, *args, **kwargs)
+        uploads.attempt_for_token(_token(request))  # 401 to a caller without an attempt's token, whatever the method
+
+
+class ArtifactObjectView(UploadTokenView):
+    @extend_schema(
+        tags=["artifacts"],
+        summary="Upload a file of the attempt's job (S3-style PUT; the body is the file, streamed to storage)",
+        request={"application/octet-stream": bytes},
+        responses={
+            200: OpenApiResponse(description="Stored, replacing the file the key named"),
+            201: OpenApiResponse(description="Stored"),
+            **error_responses(400, 401, 409, 413),
+        },
+    )
+    def put(self, request, bucket, key):
+        artifact, created = uploads.attempt_upload(
+            token=_token(request),
+            bucket=bucket,
+            key=key,
+            stream=request._request,
+            declared_length=_declared_length(request),
+            ip=client_ip(request),
+        )
+        etag = f'"{artifact.sha256}"'
+        body: protocol.UploadResponse = {
+            "Key": key,
+            "Bucket": bucket,
+            "ETag": etag,
+            "key": artifact.key,
+            "size": artifact.size,
+            "sha256": artifact.sha256,
+            "attempt": artifact.attempt_number,
+            "checkpoint_step": artifact.checkpoint_step,
+        }
+        return Response(body, status=201 if created else 200, headers={"ETag": etag})
+
+    @extend_schema(
+        tags=["artifacts"],
+        summary="Download a file of the attempt's job (a resuming attempt reads its checkpoint)",
+        responses={200: OpenApiResponse(description="The file"), **error_responses(400, 401, 404, 409)},
+    )
+    def get(self, request, bucket, key):
+        artifact = uploads.attempt_download(token=_token(request), bucket=bucket, key=key)
+        return artifact_response(artifact)
+
+
+class CheckpointCompleteView(UploadTokenView):
+    @extend_schema(
+        tags=["artifacts"],
+        summary="Declare the attempt's checkpoint of a step complete (all its files uploaded)",
+        request=None,
+        responses={200: OpenApiResponse(description="Complete"), **error_responses(400, 401, 404, 409)},
+    )
+    def post(self, request, step):
+        if not step.isdigit() or len(step) > 18:
+            raise InvalidInput(f"the step must be a whole number, not {step[:40]!r}", code="invalid_step")
+        uploads.attempt_declare_checkpoint(token=_token(request), step=int(step), ip=client_ip(request))
+        return Response({"step": int(step), "complete": True})

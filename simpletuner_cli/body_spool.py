@@ -1,0 +1,95 @@
+"""daphne, with a request body handed to the application from daphne's own spool file as it reads it.
+
+daphne (4.2) spools a request body to a temporary file (Twisted does, past 100 KB), then puts the whole
+of it, 8 KB at a time, on the application's unbounded input queue in one go: a 1 GB upload is 1 GB
+of memory before the application reads a byte. Here that queue is replaced by one that records only
+where each chunk lies in the spool file and reads it back when the application asks, so a body
+costs the server a few megabytes whatever its size. Everything else is daphne's own.
+"""
+
+import asyncio
+import collections
+from functools import partial
+
+from daphne.cli import CommandLineInterface
+from daphne.server import Server
+
+READ_BYTES = 1024 * 1024
+
+
+class _Span:
+    """Bytes ``start``..``end`` of the spool file, and whether more body follows them."""
+
+    __slots__ = ("start", "end", "more_body")
+
+    def __init__(self, start, end, more_body):
+        self.start, self.end, self.more_body = start, end, more_body
+
+
+class SpooledBodyQueue:
+    """The application's input queue (``put_nowait`` by daphne, ``get`` by the application) for one HTTP
+    request whose body lies in ``content``, the request's spool file."""
+
+    def __init__(self, content):
+        self._content = content
+        self._items = collections.deque()  # ASGI messages, or _Span of body still in the spool file
+        self._waiters = collections.deque()
+
+    def put_nowait(self, message):
+        is_body = message.get("type") == "http.request"
+        body = message.get("body") or b"" if is_body else b""
+        last = self._items[-1] if self._items else None
+        end = self._content.tell() if is_body else None  # daphne has just read ``body`` from the spool file
+        if is_body and isinstance(last, _Span) and last.more_body and last.end == end - len(body):
+            last.end, last.more_body = end, bool(message.get("more_body"))  # the next chunk of the same span
+        elif body:
+            self._items.append(_Span(end - len(body), end, bool(message.get("more_body"))))
+        else:
+            self._items.append(message)
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                break
+
+    async def get(self):
+        while not self._items:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            await waiter
+        item = self._items[0]
+        if not isinstance(item, _Span):
+            return self._items.popleft()
+        try:
+            self._content.seek(item.start)
+            data = self._content.read(min(item.end - item.start, READ_BYTES))
+        except (ValueError, OSError):  # the spool file is closed: the client went away
+            self._items.popleft()
+            return {"type": "http.disconnect"}
+        item.start += len(data)
+        if item.start >= item.end or not data:
+            self._items.popleft()
+            return {"type": "http.request", "body": data, "more_body": item.more_body}
+        return {"type": "http.request", "body": data, "more_body": True}
+
+
+class SpooledBodyServer(Server):
+    def create_application(self, protocol, scope):
+        """daphne's own, with a SpooledBodyQueue for an HTTP request (its body is in ``protocol.content``)."""
+        content = getattr(protocol, "content", None)
+        if scope.get("type") != "http" or content is None:
+            return super().create_application(protocol, scope)
+        assert "application_instance" not in self.connections[protocol]
+        input_queue = SpooledBodyQueue(content)
+        scope.setdefault("asgi", {"version": "3.0"})
+        application_instance = self.application(scope=scope, receive=input_queue.get, send=partial(self.handle_reply, protocol))
+        if protocol not in self.connections:
+            return None
+        self.connections[protocol]["application_instance"] = asyncio.ensure_future(
+            application_instance, loop=asyncio.get_event_loop()
+        )
+        return input_queue
+
+
+class SpooledBodyCommandLineInterface(CommandLineInterface):
+    server_class = SpooledBodyServer

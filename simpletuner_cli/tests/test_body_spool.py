@@ -1,0 +1,80 @@
+"""The request body reaches the application from daphne's spool file, never held whole in the queue."""
+
+import asyncio
+import tempfile
+
+from simpletuner_cli.body_spool import READ_BYTES, SpooledBodyQueue
+
+
+def feed_like_daphne(queue, content, buffer_size=8192):
+    """daphne's loop (http_protocol.WebRequest.process): read the spool file to its end, putting every chunk."""
+    content.seek(0)
+    while True:
+        chunk = content.read(buffer_size)
+        more_body = not (len(chunk) < buffer_size)
+        queue.put_nowait({"type": "http.request", "body": chunk, "more_body": more_body})
+        if not more_body:
+            break
+
+
+def drain(queue):
+    async def run():
+        messages = []
+        while True:
+            message = await queue.get()
+            messages.append(message)
+            if message["type"] != "http.request" or not message["more_body"]:
+                return messages
+
+    return asyncio.run(run())
+
+
+def spool(data):
+    content = tempfile.TemporaryFile()
+    content.write(data)
+    return content
+
+
+def test_the_body_arrives_whole_and_in_order_while_the_queue_holds_one_span():
+    data = bytes(range(256)) * 20000  # 5 MB, not a multiple of daphne's 8 KB chunks
+    content = spool(data)
+    queue = SpooledBodyQueue(content)
+
+    feed_like_daphne(queue, content)
+
+    assert len(queue._items) == 1  # one span of the file, not 600 chunks of bytes
+    messages = drain(queue)
+    assert b"".join(m["body"] for m in messages) == data
+    assert all(len(m["body"]) <= READ_BYTES for m in messages)
+    assert [m["more_body"] for m in messages] == [True] * (len(messages) - 1) + [False]
+
+
+def test_an_empty_body_and_a_disconnect_pass_through():
+    content = spool(b"")
+    queue = SpooledBodyQueue(content)
+    feed_like_daphne(queue, content)
+    assert drain(queue) == [{"type": "http.request", "body": b"", "more_body": False}]
+
+    queue.put_nowait({"type": "http.disconnect"})
+    assert asyncio.run(queue.get()) == {"type": "http.disconnect"}
+
+
+def test_a_closed_spool_file_reads_as_a_disconnect():
+    content = spool(b"x" * 100000)
+    queue = SpooledBodyQueue(content)
+    feed_like_daphne(queue, content)
+    content.close()  # Twisted closes it when the connection is lost
+    assert asyncio.run(queue.get()) == {"type": "http.disconnect"}
+
+
+def test_a_waiting_reader_is_woken_by_the_first_chunk():
+    content = spool(b"hello")
+
+    async def run():
+        queue = SpooledBodyQueue(content)
+        reader = asyncio.ensure_future(queue.get())
+        await asyncio.sleep(0)
+        feed_like_daphne(queue, content)
+        return await asyncio.wait_for(reader, 5)
+
+    assert asyncio.run(run()) == {"type": "http.request", "body": b"hello", "more_body": False}

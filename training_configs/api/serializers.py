@@ -1,0 +1,41 @@
+"""Request and response shapes of the configs API."""
+
+from rest_framework import serializers
+
+from common.fields import BoundedJSON, BoundedText
+
+from ..models import NAME_MAX_CHARS, TrainingConfig
+
+
+class ConfigCreateSerializer(serializers.Serializer):
+    name = BoundedText(max_length=NAME_MAX_CHARS)
+    config = BoundedJSON(types=(dict,))
+    dataloader = BoundedJSON(types=(dict, list), required=False, allow_null=True, default=None)
+    description = BoundedText(max_length=10_000, required=False, allow_blank=True, default="")
+
+
+class ConfigVersionSerializer(serializers.ModelSerializer):
+    owner = serializers.SerializerMethodField()
+    immutable = serializers.BooleanField(read_only=True, help_text="A job used it: editing makes a new version.")
+
+    class Meta:
+        model = TrainingConfig
+        fields = ["name", "version", "config", "dataloader", "description", "owner", "created_at", "used_at", "immutable"]
+        read_only_fields = fields
+
+    def get_owner(self, config) -> str | None:
+        return config.owner.get_username() if config.owner_id and config.owner else None
+
+
+class ConfigSummarySerializer(ConfigVersionSerializer):
+    """A config in the list: its latest version, without the bodies."""
+
+    class Meta(ConfigVersionSerializer.Meta):
+        fields = ["name", "version", "description", "owner", "created_at", "used_at", "immutable"]
+        read_only_fields = fields
+
+
+class ConfigDetailSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    latest = serializers.IntegerField()
+    versions = ConfigVersionSerializer(many=True)
