@@ -5,7 +5,7 @@ import gc
 import time
 
 import psutil
-from fleet_http import Client
+from fleet_http import Client, HTTPError
 from fleet_sim import summary_ms
 
 MEASURED = {"role": "measured"}
@@ -25,7 +25,7 @@ def server_sample(server):
 async def dispatch_latency(fleet, *, n, warmup, labels=MEASURED, submit_client=None):
     """Sequential submits: from just before the submit request to the parsed ``job_submit``; each job
     completes (running, completed) before the next submit."""
-    lat, rtt, off = [], [], 0
+    lat, rtt, off, refused = [], [], 0, 0
     gc.collect()
     gc.disable()  # a collection over thousands of stream objects would stall the reader mid-measurement
     try:
@@ -33,14 +33,16 @@ async def dispatch_latency(fleet, *, n, warmup, labels=MEASURED, submit_client=N
             t0 = time.perf_counter()
             job_id, elapsed = await fleet.submit(labels, client=submit_client)
             t, worker = await fleet.wait("dispatch", job_id)
-            await fleet.wait("completed", job_id)
+            done = await fleet.wait("completed", job_id)
             if i >= warmup:
+                refused += done is None  # the server refused the worker's report (see SimWorker._refused)
                 lat.append(t - t0)
                 rtt.append(elapsed)
                 off += worker.labels != labels
     finally:
         gc.enable()
     return {**summary_ms(lat), "submit_rtt_p50_ms": summary_ms(rtt)["p50_ms"], "off_measured": off,
+            "reports_refused": refused,
             "fleet": len(fleet.workers) - 1}
 
 
@@ -61,7 +63,10 @@ async def throughput(fleet, *, workers, duration, warm=3.0, backlog=None, submit
         while time.perf_counter() < t_end:
             if state["open"] >= backlog:
                 fleet.completed.clear()
-                await asyncio.wait_for(fleet.completed.wait(), 30)
+                try:
+                    await asyncio.wait_for(fleet.completed.wait(), max(0.01, t_end - time.perf_counter()))
+                except asyncio.TimeoutError:
+                    pass
                 continue
             state["open"] += 1
             t0 = time.perf_counter()
@@ -70,9 +75,13 @@ async def throughput(fleet, *, workers, duration, warm=3.0, backlog=None, submit
             asyncio.create_task(watch(job_id))
 
     async def watch(job_id):
-        t = await fleet.wait("completed", job_id, timeout=120)
+        try:
+            t = await fleet.wait("completed", job_id, timeout=warm + duration + 30)
+        except HTTPError:
+            t = None  # never completed: not counted
+
         state["open"] -= 1
-        if t_start + warm <= t <= t_end:
+        if t is not None and t_start + warm <= t <= t_end:
             done_lat.append(t - submitted_at[job_id])
 
     first = len(fleet.completions)
@@ -82,7 +91,8 @@ async def throughput(fleet, *, workers, duration, warm=3.0, backlog=None, submit
     await fleet.remove(made)
     return {"workers": workers, "duration_s": duration, "jobs_completed": len(window),
             "jobs_per_s": round(len(window) / duration, 1), "backlog": backlog,
-            "submit_to_completed": summary_ms(done_lat), "errors": fleet.errors}
+            "submit_to_completed": summary_ms(done_lat), "errors": fleet.errors,
+            "reports_refused": len(fleet.refused)}
 
 
 async def heartbeats(fleet, *, rate, duration):

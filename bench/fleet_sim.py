@@ -114,18 +114,31 @@ class SimWorker:
         job_id, attempt = job.get("job_id"), job.get("attempt")
         self.current = job_id
         try:
-            if await self.report(job_id, protocol.RUNNING, attempt) != 200 or self.silent:
+            st = await self.report(job_id, protocol.RUNNING, attempt)
+            if st != 200:
+                return await self._refused(job_id, protocol.RUNNING, st)
+            if self.silent:
                 return
             if self.hold:
                 await asyncio.sleep(self.hold)
             if self.silent:
                 return
-            if await self.report(job_id, protocol.COMPLETED, attempt) == 200:
+            st = await self.report(job_id, protocol.COMPLETED, attempt)
+            if st == 200:
                 self.fleet.on_completed(self, job_id, time.perf_counter())
+            else:
+                await self._refused(job_id, protocol.COMPLETED, st)
         except HTTPError:
             self.fleet.errors += 1
         finally:
             self.current = None
+
+    async def _refused(self, job_id, status, http_status):
+        """A report answered other than 200: the job is not this worker's (a server that sent one job to two
+        workers refuses the one it did not record). Counted; the worker says it is idle again."""
+        self.current = None
+        self.fleet.on_refused(job_id, status, http_status)
+        await self.heartbeat()
 
     def go_silent(self):
         """Stop heartbeating and answering, keeping the TCP stream open (a machine that hung)."""
@@ -151,6 +164,7 @@ class Fleet:
         self.dispatches = {}
         self.completions = []
         self.errors = 0
+        self.refused = []  # (job id, status reported, HTTP status) of reports not answered 200
         self.tag = f"{int(time.time() * 1000) % 10_000_000}"
         self.completed = asyncio.Event()
 
@@ -164,6 +178,9 @@ class Fleet:
         fut = self._future((kind, job_id))
         try:
             return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            refused = [r for r in self.refused if r[0] == job_id]
+            raise HTTPError(f"no {kind} of job {job_id} within {timeout} s; reports refused: {refused}") from None
         finally:
             self.futures.pop((kind, job_id), None)
 
@@ -180,6 +197,12 @@ class Fleet:
         fut = self._future(("completed", job_id))
         if not fut.done():
             fut.set_result(t)
+
+    def on_refused(self, job_id, status, http_status):
+        self.refused.append((job_id, status, http_status))
+        fut = self._future(("completed", job_id))
+        if not fut.done():
+            fut.set_result(None)
 
     async def add(self, count, labels, *, hold=0.0, heartbeat=30.0, concurrency=32, prefix="w", base_url=None):
         """Create, register and connect ``count`` workers (``concurrency`` at a time); return them."""
