@@ -1,8 +1,10 @@
-"""Middleware shared by every app: what every answer under ``/api/`` carries (no caching; errors as JSON)."""
+"""Middleware shared by every app: what every answer under ``/api/`` carries (no caching; errors as JSON), static files."""
 
-from asgiref.sync import iscoroutinefunction, markcoroutinefunction
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
+from django.conf import settings as django_settings
 from django.http import HttpResponseBadRequest
 from rest_framework.response import Response
+from whitenoise.middleware import WhiteNoiseMiddleware
 
 from .http import API_PREFIX, error_code, error_response
 from .inputs import text_problem
@@ -105,3 +107,40 @@ class AdminQueryTextMiddleware:
 
     async def _acall(self, request):
         return self.refusal(request) or await self.get_response(request)
+
+
+class StaticFilesMiddleware(WhiteNoiseMiddleware):
+    """WhiteNoise's static file serving, as a middleware that is async-capable too.
+
+    WhiteNoise's own middleware is sync-only: placed in the stack, it makes Django run every request's
+    middleware chain on a thread (event loop -> thread -> loop -> thread). Here a request for any other
+    path costs one dictionary look-up on the event loop; a static file is served on a thread.
+    """
+
+    sync_capable = True
+    async_capable = True
+
+    def __init__(self, get_response=None, settings=django_settings):
+        super().__init__(get_response, settings=settings)
+        if iscoroutinefunction(get_response):
+            markcoroutinefunction(self)
+
+    def static_file(self, request):
+        if self.autorefresh:  # development: looks on disk
+            return self.find_file(request.path_info)
+        return self.files.get(request.path_info)
+
+    def __call__(self, request):
+        if iscoroutinefunction(self):
+            return self._acall(request)
+        found = self.static_file(request)
+        return self.serve(found, request) if found is not None else self.get_response(request)
+
+    async def _acall(self, request):
+        if self.autorefresh:
+            found = await sync_to_async(self.static_file, thread_sensitive=False)(request)
+        else:
+            found = self.files.get(request.path_info)
+        if found is None:
+            return await self.get_response(request)
+        return await sync_to_async(self.serve, thread_sensitive=False)(found, request)

@@ -1,9 +1,12 @@
 """Placing queued jobs on available workers: matching, assignment (a new attempt), and what the worker is sent."""
 
+import re
 from urllib.parse import quote
 
 from django.db import transaction
-from django.db.models import Case, F, IntegerField, Value, When
+from django.db.models import Case, F, IntegerField, TextField, Value, When
+from django.db.models.functions import Cast
+from django.db.models.fields.json import KeyTextTransform
 from django.utils import timezone
 
 from artifacts import selectors as artifact_selectors
@@ -124,23 +127,56 @@ def dispatch_for_job(job_id, *, actor=SYSTEM):
         job = Job.objects.select_for_update(skip_locked=True).filter(pk=job_id, status=JobStatus.QUEUED).first()
         if job is None:
             return None
-        candidates = (
-            _available_workers()
-            .filter(worker_type__in=TARGET_WORKER_TYPES[job.target], gpu_count__gte=job.gpu_count)
-            .annotate(
-                local_last=Case(When(worker_type=WorkerType.LOCAL, then=Value(1)), default=Value(0), output_field=IntegerField())
-            )
-            .order_by("local_last", F("last_job_finished_at").asc(nulls_first=True), "pk")
-            .only("pk", "labels", "gpu_count")
+        return dispatch_locked_job(job, actor=actor)
+
+
+def _candidates(queryset):
+    """Yield the rows of ``queryset``: the first CANDIDATE_BATCH from one plain query (on PostgreSQL a
+    server-side cursor costs a DECLARE, a FETCH and a CLOSE, and the first batch nearly always decides),
+    then, if that batch was full, the whole queryset again through a cursor, as before."""
+    first = list(queryset[:CANDIDATE_BATCH])
+    yield from first
+    if len(first) == CANDIDATE_BATCH:
+        seen = {row.pk for row in first}
+        yield from (row for row in queryset.iterator(chunk_size=CANDIDATE_BATCH) if row.pk not in seen)
+
+
+_GLOB = re.compile(r"[*?\[]")
+
+
+def _with_exact_labels(workers, selectors):
+    """Narrow ``workers`` by the selectors holding no glob character (``labels_match`` compares those to the
+    worker's label as plain, case-sensitive text): a pre-filter in SQL; the match itself stays ``job_fits_worker``."""
+    for i, (key, value) in enumerate((selectors or {}).items()):
+        if not _GLOB.search(str(value)):
+            label = Cast(KeyTextTransform(key, "labels"), output_field=TextField())
+            workers = workers.alias(**{f"label_{i}": label}).filter(**{f"label_{i}": str(value)})
+    return workers
+
+
+def dispatch_locked_job(job, *, actor=SYSTEM):
+    """Dispatch queued ``job``, locked by (or created in) the caller's audited transaction; return the worker or None.
+
+    As ``dispatch_for_job``, in the caller's transaction: a submit creates its job and dispatches it
+    in one commit. ``job`` is updated in place.
+    """
+    candidates = (
+        _with_exact_labels(_available_workers(), job.worker_labels)
+        .filter(worker_type__in=TARGET_WORKER_TYPES[job.target], gpu_count__gte=job.gpu_count)
+        .annotate(
+            local_last=Case(When(worker_type=WorkerType.LOCAL, then=Value(1)), default=Value(0), output_field=IntegerField())
         )
-        for candidate in candidates.iterator(chunk_size=CANDIDATE_BATCH):
-            if not job_fits_worker(job, candidate):
-                continue
-            worker = _lock_available_worker(candidate.pk)
-            if worker is None:
-                continue
-            _assign(job=job, worker=worker, actor=actor)
-            return worker
+        .order_by("local_last", F("last_job_finished_at").asc(nulls_first=True), "pk")
+        .only("pk", "labels", "gpu_count")
+    )
+    for candidate in _candidates(candidates):
+        if not job_fits_worker(job, candidate):
+            continue
+        worker = _lock_available_worker(candidate.pk)
+        if worker is None:
+            continue
+        _assign(job=job, worker=worker, actor=actor)
+        return worker
     return None
 
 
@@ -159,7 +195,7 @@ def dispatch_for_worker(worker_id, *, actor=SYSTEM):
             .order_by("-priority", "submitted_at", "pk")
             .only("pk", "worker_labels", "gpu_count")
         )
-        for candidate in candidates.iterator(chunk_size=CANDIDATE_BATCH):
+        for candidate in _candidates(candidates):
             if not job_fits_worker(candidate, worker):
                 continue
             job = Job.objects.select_for_update(skip_locked=True).filter(pk=candidate.pk, status=JobStatus.QUEUED).first()

@@ -12,7 +12,7 @@ from worker_agent import protocol
 from workers import events as worker_events
 from workers.models import Worker
 
-from .dispatch import dispatch_for_job
+from .dispatch import dispatch_locked_job
 from .models import JOB_ACTIVE, JOB_RETRYABLE, JOB_TERMINAL, AttemptOutcome, Job, JobStatus, JobTarget
 from .transitions import attempts_finish, jobs_transition
 
@@ -63,7 +63,7 @@ def job_submit(
     max_retries=None,
     retry_on_failure=False,
 ):
-    """Queue a job and try to dispatch it at once; return ``(job, dispatched)``.
+    """Queue a job and try to dispatch it at once, in one transaction; return ``(job, dispatched)``.
 
     ``config_name`` may name a stored config (``name`` or ``name@version``): the job runs that version,
     with the inline ``config``'s keys over its own (``training_configs.services.config_for_submit``).
@@ -84,13 +84,12 @@ def job_submit(
             max_retries=max_retries,
             retry_on_failure=retry_on_failure,
         )
-    return job, _dispatch_now(job)
+        return job, _dispatch_now(job)
 
 
 def _dispatch_now(job):
-    worker = dispatch_for_job(job.pk)
-    job.refresh_from_db()
-    return worker is not None
+    """Dispatch ``job``, just created in the caller's transaction (so no one else sees it yet); return whether it went."""
+    return dispatch_locked_job(job) is not None
 
 
 def _job_create(
@@ -219,4 +218,4 @@ def job_retry(*, job_id, actor):
             target_id=original.pk,
             details={"status": original.status, "new_job": job.pk},
         )
-    return job, _dispatch_now(job)
+        return job, _dispatch_now(job)

@@ -1,4 +1,4 @@
-"""ASGI entry point. Worker streams skip Django's per-request thread so idle streams cost no thread."""
+"""ASGI entry point: streams run on the event loop without a thread each; every other request makes one thread hop."""
 
 import os
 
@@ -8,14 +8,15 @@ import django  # noqa: E402
 
 django.setup(set_prefix=False)
 
+from asgiref.sync import sync_to_async  # noqa: E402
 from django.core.exceptions import RequestAborted  # noqa: E402
 from django.core.handlers.asgi import ASGIHandler  # noqa: E402
 
 from realtime.urls import STREAM_PATHS  # noqa: E402  the worker stream and the operators' change feed
 
 
-class StreamAwareASGIHandler(ASGIHandler):
-    """Django's ASGI handler, except that stream requests run without a ThreadSensitiveContext.
+class StreamASGIHandler(ASGIHandler):
+    """Django's ASGI handler, except that requests run without a ThreadSensitiveContext.
 
     Django gives every request its own executor thread for its sync parts; an endless SSE response
     would hold that thread (and, under the library's view, a DB connection) for its whole life. The
@@ -24,7 +25,7 @@ class StreamAwareASGIHandler(ASGIHandler):
     """
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope.get("path") in STREAM_PATHS:
+        if scope["type"] == "http":
             await self.handle(scope, receive, send)
             return
         await super().__call__(scope, receive, send)
@@ -40,6 +41,34 @@ class StreamAwareASGIHandler(ASGIHandler):
             return await super().listen_for_disconnect(receive)
         except RequestAborted:
             return None
+
+
+class SyncChainASGIHandler(ASGIHandler):
+    """Django's ASGI handler with the middleware chain built in sync mode and entered with one thread hop.
+
+    Built in async mode, each sync step of the middleware (every ``process_request`` and
+    ``process_response`` of Django's own) is a hop of its own from the event loop to the request's
+    thread and back; the API's views are sync anyway. Built in sync mode, the middleware and the view
+    run in one go on the request's thread.
+    """
+
+    def load_middleware(self, is_async=False):
+        super().load_middleware(is_async=False)
+        self._middleware_chain = sync_to_async(self._middleware_chain, thread_sensitive=True)
+
+
+class StreamAwareASGIHandler:
+    """Stream paths to ``StreamASGIHandler``; everything else (API, admin, static) to ``SyncChainASGIHandler``."""
+
+    def __init__(self):
+        self.streams = StreamASGIHandler()
+        self.requests = SyncChainASGIHandler()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope.get("path") in STREAM_PATHS:
+            await self.streams(scope, receive, send)
+            return
+        await self.requests(scope, receive, send)
 
 
 application = StreamAwareASGIHandler()

@@ -62,13 +62,15 @@ def test_a_submission_dispatched_at_once_names_the_job_and_its_worker(commit, op
 
 @pytest.mark.django_db(transaction=True)
 def test_each_committed_transaction_announces_once_with_real_commits(operator_changes):
-    # No test transaction around it: job_submit commits twice (the submission, then the dispatch).
+    # No test transaction around it: job_submit commits once (the submission and its dispatch), then a
+    # second transaction (a drain) commits on its own.
     worker = WorkerFactory()
 
     job, dispatched = job_submit(config_name="c", actor=OPERATOR)
+    worker_drain(worker_id=worker.pk, actor=OPERATOR)
 
     assert dispatched
-    assert operator_changes == [changes(job), changes(job, worker)]
+    assert operator_changes == [changes(job, worker), changes(worker)]
 
 
 @pytest.mark.django_db(transaction=True)

@@ -1,0 +1,74 @@
+"""The ASGI entry point and the static files middleware: no per-step thread hops, same answers."""
+
+import json
+
+import pytest
+from asgiref.sync import async_to_sync, iscoroutinefunction
+from asgiref.testing import ApplicationCommunicator
+from django.test import AsyncClient, Client
+
+from common.middleware import StaticFilesMiddleware
+from simpletuner_site.asgi import SyncChainASGIHandler, application
+from worker_agent import protocol
+
+STATIC_FILE = "/static/simpletuner/admin/admin.css"
+
+
+async def asgi_get(path, headers=()):
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"host", b"testserver"), *headers], "client": ("127.0.0.1", 1234),
+             "server": ("testserver", 80)}
+    comm = ApplicationCommunicator(application, scope)
+    await comm.send_input({"type": "http.request", "body": b"", "more_body": False})
+    start = await comm.receive_output(10)
+    body = b""
+    while True:
+        message = await comm.receive_output(10)
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    return start["status"], body
+
+
+def test_the_static_middleware_can_run_sync_and_async():
+    assert StaticFilesMiddleware.sync_capable and StaticFilesMiddleware.async_capable
+
+
+def test_a_static_file_is_served_by_the_sync_chain():
+    response = Client().get(STATIC_FILE)
+    assert response.status_code == 200
+    assert b"".join(response.streaming_content)
+
+
+def test_a_static_file_is_served_by_an_async_chain():
+    response = async_to_sync(AsyncClient().get)(STATIC_FILE)
+    assert response.status_code == 200
+
+
+def test_requests_other_than_streams_enter_one_sync_chain():
+    handler = application.requests
+    assert isinstance(handler, SyncChainASGIHandler)
+    assert iscoroutinefunction(handler._middleware_chain)  # entered with one hop ...
+    # ... and everything inside it is sync: no middleware was adapted to async mode
+    assert not any(iscoroutinefunction(m) for m in handler._view_middleware)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_api_answers_through_the_sync_chain():
+    status, body = async_to_sync(asgi_get)(protocol.QUEUE_PATH)
+    assert status in (401, 403)
+    assert json.loads(body)["code"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stream_with_a_bad_token_is_refused_through_the_stream_handler():
+    status, body = async_to_sync(asgi_get)(protocol.STREAM_PATH, [(protocol.WORKER_TOKEN_HEADER.lower().encode(), b"wt_nope")])
+    assert status in (401, 403)
+    assert json.loads(body)["code"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_static_file_is_served_through_the_asgi_application():
+    status, body = async_to_sync(asgi_get)(STATIC_FILE)
+    assert status == 200 and body
