@@ -8,7 +8,7 @@ class Migration(migrations.Migration):
 
     dependencies = [
         ('configs', '0001_initial'),
-        ('queue', '0006_job_exit_code_bigint'),
+        ('queue', '0007_attempt_outcome_interrupted'),
     ]
 
     operations = [
