@@ -33,7 +33,8 @@ class BoundedText(serializers.CharField):
 
     default_error_messages = {"invalid": "Must be a string."}
 
-    def __init__(self, *, max_length, **kwargs):
+    def __init__(self, *, max_length, schema_pattern=NO_NUL_PATTERN, **kwargs):
+        self.schema_pattern = schema_pattern  # what the OpenAPI schema declares (a service may check more)
         super().__init__(max_length=max_length, **kwargs)
 
     def to_internal_value(self, data):
@@ -212,7 +213,7 @@ class BoundedTextSchema(OpenApiSerializerFieldExtension):
         kinds = [kind for kind in schema.get("type", []) if kind != "null"] if isinstance(schema.get("type"), list) else None
         if kinds:
             schema["type"] = kinds[0] if len(kinds) == 1 else kinds
-        return {**schema, "pattern": NO_NUL_PATTERN}
+        return {**schema, "pattern": self.target.schema_pattern}
 
 
 class BoundedJSONSchema(OpenApiSerializerFieldExtension):

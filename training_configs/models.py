@@ -5,6 +5,9 @@ from django.db import models
 
 NAME_MAX_CHARS = 200
 VERSION_SEPARATOR = "@"  # config_name@version at submit
+# A stored config's name: printable ASCII without "@" (the version separator) or "/" (it is a URL path
+# segment), no leading or trailing space. The OpenAPI schema declares the same pattern.
+NAME_PATTERN = r"^[!-.0-?A-~]([ -.0-?A-~]*[!-.0-?A-~])?$"
 
 
 class TrainingConfig(models.Model):

@@ -1,7 +1,9 @@
 """The artifact store's S3-style endpoints for attempts (``protocol.UPLOAD_PATH``), authenticated by the
 attempt's upload token: PUT an object, GET one back (resume), declare a checkpoint complete."""
 
-from drf_spectacular.utils import OpenApiResponse, extend_schema
+import re
+
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -12,6 +14,10 @@ from common.remote import client_ip
 from worker_agent import protocol
 
 from .. import uploads
+
+
+STEP_PATTERN = r"^[0-9]{1,18}$"
+UPLOAD_TOKEN_AUTH = [{"uploadToken": []}]  # the scheme is declared by workers.api.schema.add_worker_stream_path
 
 
 def _token(request):
@@ -35,18 +41,21 @@ class UploadTokenView(APIView):
 
     def initial(self, request, *args, **kwargs):
         super().initial(request, *args, **kwargs)
-        uploads.attempt_for_token(_token(request))  # 401 to a caller without an attempt's token, whatever the method
+        if not hasattr(self, request.method.lower()):  # a method it does not serve is a 405 (with Allow), token or not
+            self.http_method_not_allowed(request, *args, **kwargs)
+        uploads.attempt_for_token(_token(request))  # 401 to a caller without an attempt's token
 
 
 class ArtifactObjectView(UploadTokenView):
     @extend_schema(
         tags=["artifacts"],
+        auth=UPLOAD_TOKEN_AUTH,
         summary="Upload a file of the attempt's job (S3-style PUT; the body is the file, streamed to storage)",
         request={"application/octet-stream": bytes},
         responses={
             200: OpenApiResponse(description="Stored, replacing the file the key named"),
             201: OpenApiResponse(description="Stored"),
-            **error_responses(400, 401, 409, 413),
+            **error_responses(400, 401, 404, 409, 413),
         },
     )
     def put(self, request, bucket, key):
@@ -73,6 +82,7 @@ class ArtifactObjectView(UploadTokenView):
 
     @extend_schema(
         tags=["artifacts"],
+        auth=UPLOAD_TOKEN_AUTH,
         summary="Download a file of the attempt's job (a resuming attempt reads its checkpoint)",
         responses={200: OpenApiResponse(description="The file"), **error_responses(400, 401, 404, 409)},
     )
@@ -84,12 +94,14 @@ class ArtifactObjectView(UploadTokenView):
 class CheckpointCompleteView(UploadTokenView):
     @extend_schema(
         tags=["artifacts"],
+        auth=UPLOAD_TOKEN_AUTH,
         summary="Declare the attempt's checkpoint of a step complete (all its files uploaded)",
+        parameters=[OpenApiParameter("step", {"type": "string", "pattern": STEP_PATTERN}, OpenApiParameter.PATH)],
         request=None,
         responses={200: OpenApiResponse(description="Complete"), **error_responses(400, 401, 404, 409)},
     )
     def post(self, request, step):
-        if not step.isdigit() or len(step) > 18:
+        if not re.fullmatch(STEP_PATTERN, step):
             raise InvalidInput(f"the step must be a whole number, not {step[:40]!r}", code="invalid_step")
         uploads.attempt_declare_checkpoint(token=_token(request), step=int(step), ip=client_ip(request))
         return Response({"step": int(step), "complete": True})

@@ -44,6 +44,8 @@ def test_posting_a_name_again_makes_its_next_version(configs_client):
         {"name": "a@b", "config": {}},
         {"name": "a/b", "config": {}},
         {"name": "tab\there", "config": {}},
+        {"name": " padded", "config": {}},
+        {"name": "naïve", "config": {}},  # printable ASCII only: what the OpenAPI schema declares
         {"name": "ok", "config": [1]},
         {"name": "ok", "config": {}, "dataloader": "x"},
         {"config": {}},
@@ -53,6 +55,15 @@ def test_a_bad_config_is_a_400(configs_client, body):
     response = configs_client.post("/api/configs", body, format="json")
     assert response.status_code == 400, response.content
     assert not TrainingConfig.objects.exists()
+
+
+def test_a_200_character_name_is_stored_and_audited_by_the_config_id(configs_client):
+    """The audit row's target id is at most 64 characters (PostgreSQL refused the name there: a 500)."""
+    response = configs_client.post("/api/configs", {"name": "n" * 200, "config": BASE}, format="json")
+
+    assert response.status_code == 201, response.content
+    (row,) = audit_rows(actions.CONFIG_CREATED)
+    assert row.target_id == str(TrainingConfig.objects.get().pk) and row.details["name"] == "n" * 200
 
 
 def test_submit_by_name_runs_the_latest_version_with_inline_keys_over_it():

@@ -84,4 +84,16 @@ def add_worker_stream_path(result, generator, request, public):
     result["paths"] = dict(sorted(result["paths"].items()))
     schemes = result.setdefault("components", {}).setdefault("securitySchemes", {})
     schemes.setdefault(WorkerTokenScheme.name, WorkerTokenScheme(None).get_security_definition(None))
+    schemes.setdefault(
+        "uploadToken",
+        {
+            "type": "apiKey",
+            "in": "header",
+            "name": protocol.UPLOAD_TOKEN_HEADER,
+            "description": (
+                f"An attempt's upload token (`job_submit`'s `upload_token`), also taken as `{protocol.UPLOAD_SECRET_HEADER}`: "
+                "valid only while that attempt owns its job."
+            ),
+        },
+    )
     return result
