@@ -31,20 +31,26 @@ CANDIDATE_BATCH = 200
 # --- what a worker is sent ------------------------------------------------------------------------
 
 
-def job_resume_checkpoint(job_id) -> protocol.ResumeCheckpoint | None:
-    """Return the checkpoint a new attempt of ``job_id`` resumes from (the latest complete one), each file
-    with the URL the attempt downloads it from with its own upload token; or None."""
-    resume = artifact_selectors.resume_checkpoint(job_id)
+def job_resume_checkpoint(job) -> protocol.ResumeCheckpoint | None:
+    """Return the checkpoint the job's current attempt resumes from (the latest complete one), each file
+    with the URL the attempt downloads it from with its own upload token; or None (always, for a first
+    attempt: no attempt before it wrote one, and no query is made)."""
+    if job.attempt_count <= 1:
+        return None
+    resume = artifact_selectors.resume_checkpoint(job.pk)
     if resume is not None:
         for item in resume["files"]:
             item["download_url"] = f"{protocol.UPLOAD_PATH}/{quote(item['key'])}"
     return resume
 
 
-def job_submit_payload(job, resume=None):
+_NOT_LOOKED_UP = object()
+
+
+def job_submit_payload(job, resume=_NOT_LOOKED_UP):
     """Return the ``job_submit`` event data (without its ``type``) for the job's current attempt.
 
-    ``resume`` is ``job_resume_checkpoint(job.pk)`` when the caller has it already.
+    ``resume`` is ``job_resume_checkpoint(job)`` when the caller has it already (None included).
     """
     return {
         "job_id": job.pk,
@@ -55,7 +61,7 @@ def job_submit_payload(job, resume=None):
         "upload_token": artifact_tokens.upload_token(job.lease_id),
         "attempt": job.lease_id,
         "attempt_number": job.attempt_count,
-        "resume": resume if resume is not None else job_resume_checkpoint(job.pk),
+        "resume": job_resume_checkpoint(job) if resume is _NOT_LOOKED_UP else resume,
     }
 
 
@@ -100,7 +106,7 @@ def _assign(*, job, worker, actor):
         target_id=job.pk,
         details={"worker": worker.pk, "worker_name": worker.name, "attempt": number, "lease": lease},
     )
-    resume = job_resume_checkpoint(job.pk)
+    resume = job_resume_checkpoint(job)
     if resume is not None:
         artifact_services.attempt_steps_record(lease_id=lease, job_id=job.pk, start_step=resume["step"])
     worker_events.publish_on_commit(worker.pk, protocol.JOB_SUBMIT, **job_submit_payload(job, resume))
