@@ -24,7 +24,7 @@ from .backoff import Backoff
 logger = logging.getLogger(__name__)
 
 TIMEOUT = (10, 300)  # (connect, read) seconds per request
-TRIES = 8
+TRIES = 4  # a few seconds: an unreachable orchestrator must not hold up the job's result
 CHUNK = 1024 * 1024
 OUTPUT_BUCKET = "output"
 MANIFEST_FILE = "uploaded.json"
@@ -60,7 +60,7 @@ class ArtifactTransfer:
         self.verify = verify
         self.session = session or requests.Session()
         self.sleep = sleep
-        self.backoff = backoff or Backoff(base=1.0, cap=30.0)
+        self.backoff = backoff or Backoff(base=0.5, cap=10.0)
         self.tries = tries
 
     # --- one request, retried ---------------------------------------------------------------------

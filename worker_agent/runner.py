@@ -361,7 +361,13 @@ class JobRun:
         """Upload the output directory (before the result is reported); record why not in ``upload_error``."""
         try:
             sent = self.transfer.upload_dir(self.output_dir(), manifest_path=self.job_dir / MANIFEST_FILE)
-        except (TransferError, OSError) as exc:
+        except TransferError as exc:
+            if exc.status is None:  # unreachable: the result is reported (or journaled) as it is; the files stay here
+                logger.warning("job %s: outputs not uploaded (%s); they stay in %s", self.job_id, exc, self.output_dir())
+            else:  # refused (quota, size, key): the job did not deliver its outputs
+                self.upload_error = str(exc)
+                logger.error("job %s: its outputs could not be uploaded: %s", self.job_id, exc)
+        except OSError as exc:
             self.upload_error = str(exc)
             logger.error("job %s: its outputs could not be uploaded: %s", self.job_id, exc)
         else:

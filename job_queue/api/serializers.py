@@ -1,6 +1,7 @@
 """Request and response shapes of the queue API."""
 
 from django.urls import reverse
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from artifacts.selectors import artifacts_for_job, attempt_steps
@@ -105,6 +106,16 @@ class ArtifactSerializer(serializers.Serializer):
         return reverse("artifact-download", kwargs={"artifact_id": artifact.pk})
 
 
+class JobAttemptStepsSerializer(JobAttemptSerializer):
+    """An attempt on the job's detail: with the step it resumed from and the furthest step it reported."""
+
+    start_step = serializers.IntegerField(help_text="The checkpoint step it resumed from (0: from scratch).")
+    reached_step = serializers.IntegerField(allow_null=True, help_text="The furthest step it reported or checkpointed.")
+
+    class Meta(JobAttemptSerializer.Meta):
+        fields = [*JobAttemptSerializer.Meta.fields, "start_step", "reached_step"]
+
+
 class JobDetailSerializer(JobSerializer):
     attempts = serializers.SerializerMethodField()
     artifacts = serializers.SerializerMethodField()
@@ -113,7 +124,8 @@ class JobDetailSerializer(JobSerializer):
         fields = [*JobSerializer.Meta.fields, "attempts", "artifacts"]
         read_only_fields = fields
 
-    def get_attempts(self, job) -> list[dict]:
+    @extend_schema_field(JobAttemptStepsSerializer(many=True))
+    def get_attempts(self, job):
         """Each attempt, with the step it started from (a resumed checkpoint's) and the furthest it reported."""
         steps = attempt_steps(job.pk)
         rows = JobAttemptSerializer(job.attempts.all(), many=True).data
@@ -122,7 +134,8 @@ class JobDetailSerializer(JobSerializer):
             row["start_step"], row["reached_step"] = start, reached
         return rows
 
-    def get_artifacts(self, job) -> list[dict]:
+    @extend_schema_field(ArtifactSerializer(many=True))
+    def get_artifacts(self, job):
         return ArtifactSerializer(artifacts_for_job(job.pk), many=True).data
 
 
