@@ -36,6 +36,7 @@ from workers.onboarding import parse_label_pairs
 
 from . import permissions, worker_admin  # noqa: F401 (worker_admin registers the Workers page with its rotate action)
 from .api.serializers import JobSubmitSerializer
+from .log_admin import JobLogAdminMixin
 from .models import JOB_RETRYABLE, JOB_TERMINAL, Job, JobAttempt, JobStatus, JobTarget
 from .selectors import job_waiting_reason
 from .services import job_cancel, job_retry, job_submit
@@ -148,7 +149,7 @@ def _progress_bar(job):
 
 
 @admin.register(Job)
-class JobAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
+class JobAdmin(JobLogAdminMixin, OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
     list_display = ["id", "config_name", "status_display", "progress_bar", "worker_display", "attempts", "age", "target", "priority"]
     live_fields = ("status_display", "progress_bar", "worker_display", "attempts")
     live_detail_fields = ("waiting", "log")
@@ -170,14 +171,14 @@ class JobAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMixin
     change_form_template = "admin/queue/job/change_form.html"
     fieldsets = [
         ("Status", {"fields": ["id", "status_display", "waiting", "progress_bar", "worker_display", "attempts", "last_error", "exit_code"]}),
-        ("Log tail", {"fields": ["log"]}),
+        ("Log tail", {"fields": ["log", "full_log_link"]}),
         ("Settings", {"fields": ["config_name", "config_display", "dataloader_display", "target", "labels", "gpu_count", "priority", "max_retries", "retry_on_failure", "retry_links"]}),
         ("Timing", {"fields": ["submitted_at", "submitted_by", "dispatched_at", "started_at", "finished_at"]}),
         ("Audit trail", {"fields": ["audit_trail"]}),
     ]
     readonly_fields = [
         "id", "status_display", "waiting", "progress_bar", "worker_display", "attempts", "last_error", "exit_code", "log",
-        "config_name", "config_display", "dataloader_display", "target", "labels", "gpu_count", "priority",
+        "full_log_link", "config_name", "config_display", "dataloader_display", "target", "labels", "gpu_count", "priority",
         "max_retries", "retry_on_failure", "retry_links", "submitted_at", "submitted_by", "dispatched_at",
         "started_at", "finished_at", "audit_trail",
     ]  # fmt: skip

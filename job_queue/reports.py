@@ -14,6 +14,7 @@ from workers.models import Worker
 from .dispatch import redispatch_on_commit, workers_free_and_offer
 from .models import JOB_ACTIVE, JOB_TERMINAL, REPORTED_STATUS, AttemptOutcome, Job, JobStatus
 from .services import lock_job
+from .logs import attempt_append_log
 from .transitions import (
     ERROR_MAX_CHARS,
     attempts_finish,
@@ -133,6 +134,7 @@ def _job_report(*, worker_id, job_id, data, actor, holder_id):
             )
             # Keep the refusal's audit row: commit it, then raise outside the transaction.
         else:
+            attempt_append_log(lease_id=job.lease_id, chunk=data.get("log_lines"))
             result = _apply_report(job=job, worker=worker, raw=raw, target=target, error=error, data=data, actor=actor)
     if refusal:
         raise StaleReport(refusal[1], code=refusal[0], extra={"abandon_job": job.pk})

@@ -245,6 +245,9 @@ class JobsMixin:
             "progress": progress or None,
             "log_tail": run.log_tail(),
         }
+        chunk = run.log_chunk()
+        if chunk:
+            body["log_lines"] = chunk  # the whole log, kept by the orchestrator, a run of new lines at a time
         try:
             self.client.report(run.job_id, body)
         except Refused as exc:
@@ -257,6 +260,7 @@ class JobsMixin:
             logger.debug("progress report for job %s failed: %s", run.job_id, exc)
             return
         self.reported_version = version
+        run.log_sent(chunk)
 
     def _console_progress(self):
         run = self.job
@@ -339,6 +343,9 @@ class JobsMixin:
             logger.info("Job %s stopped (%s); not reported", run.job_id, describe_exit(code))
             self._after_job(reported=False)
             return
+        chunk = run.log_chunk()
+        if chunk:
+            body["log_lines"] = chunk  # the output not yet sent goes with the result
         if body["status"] == protocol.CANCELLED:
             logger.info("Job %s cancelled after %s", run.job_id, took)
         elif body["status"] == protocol.COMPLETED:

@@ -144,3 +144,28 @@ def test_create_an_api_token_shown_once_with_an_expiry_then_revoke_it(logged_in_
     expect(page.locator(".messagelist")).to_contain_text("Revoked 1 API token(s)")
     refused = live_orchestrator.request("GET", "/api/queue/", headers={"Authorization": f"Bearer {token}"})
     assert refused.status_code == 401
+
+
+def test_the_whole_log_is_followed_live_and_downloaded_from_the_job_page(logged_in_page, live_orchestrator, agents):
+    page = logged_in_page
+    pool = f"log-{secrets.token_hex(3)}"
+    worker = agents.fleet.create_worker(labels={"pool": pool})
+    agent = agents.start(worker)
+    agents.wait_ready(agent)
+    job_id = agents.submit(labels={"pool": pool}, config={"max_train_steps": 600, "step_delay": 0.01, "checkpoint_every": 2})["job_id"]
+    job_mid_run(live_orchestrator, job_id)
+
+    page.goto(f"{JOBS}{quote(job_id)}/change/")
+    page.locator("#full-log-link").click()
+    log = page.locator("#full-log")
+    expect(log).to_contain_text(f"# --- attempt 1 on {worker.name}")
+    expect(page.locator("#full-log-state")).to_contain_text("following the job")
+    before = log.inner_text()
+    expect(page.locator("#full-log-state")).to_have_text("the job has finished", timeout=60_000)  # it followed the job live
+    after = log.inner_text()
+    assert len(after) > len(before) and "(completed)" in after
+    assert after.count("\n") > 100  # every line, not the 50-line tail
+    screenshot(page, "job-whole-log")
+    with page.expect_download() as download:
+        page.locator("#full-log-download").click()
+    assert download.value.suggested_filename == f"{job_id}.log"
