@@ -152,7 +152,7 @@ def _progress_bar(job):
 class JobAdmin(JobLogAdminMixin, OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
     list_display = ["id", "config_name", "status_display", "progress_bar", "worker_display", "attempts", "age", "target", "priority"]
     live_fields = ("status_display", "progress_bar", "worker_display", "attempts")
-    live_detail_fields = ("waiting", "log")
+    live_detail_fields = ("waiting", "log", "progress_chart")
     list_filter = ["status", "target", "submitted_at"]
     search_fields = ["=id", "config_name", "worker_name"]
     list_select_related = ["worker"]
@@ -170,14 +170,14 @@ class JobAdmin(JobLogAdminMixin, OperatorPermissionsMixin, ObjectButtonsMixin, L
     inlines = [JobAttemptInline]
     change_form_template = "admin/queue/job/change_form.html"
     fieldsets = [
-        ("Status", {"fields": ["id", "status_display", "waiting", "progress_bar", "worker_display", "attempts", "last_error", "exit_code"]}),
+        ("Status", {"fields": ["id", "status_display", "waiting", "progress_bar", "progress_chart", "worker_display", "attempts", "last_error", "exit_code"]}),
         ("Log tail", {"fields": ["log", "full_log_link"]}),
         ("Settings", {"fields": ["config_name", "config_display", "dataloader_display", "target", "labels", "gpu_count", "priority", "max_retries", "retry_on_failure", "retry_links"]}),
         ("Timing", {"fields": ["submitted_at", "submitted_by", "dispatched_at", "started_at", "finished_at"]}),
         ("Audit trail", {"fields": ["audit_trail"]}),
     ]
     readonly_fields = [
-        "id", "status_display", "waiting", "progress_bar", "worker_display", "attempts", "last_error", "exit_code", "log",
+        "id", "status_display", "waiting", "progress_bar", "progress_chart", "worker_display", "attempts", "last_error", "exit_code", "log",
         "full_log_link", "config_name", "config_display", "dataloader_display", "target", "labels", "gpu_count", "priority",
         "max_retries", "retry_on_failure", "retry_links", "submitted_at", "submitted_by", "dispatched_at",
         "started_at", "finished_at", "audit_trail",

@@ -1,4 +1,4 @@
-"""The job page's whole log: a page that follows it live, and a download (``job_queue.logs``)."""
+"""The job page's whole log (a page that follows it live, and a download: ``job_queue.logs``) and its progress chart."""
 
 from django.contrib.admin.utils import quote, unquote
 from django.core.exceptions import PermissionDenied
@@ -7,6 +7,7 @@ from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils.html import format_html
 
+from .charts import progress_chart_html
 from .logs import job_full_log, log_limit
 from .models import JOB_TERMINAL
 
@@ -56,3 +57,10 @@ class JobLogAdminMixin:
         )
 
     full_log_link.short_description = "Whole log"
+
+    def progress_chart(self, job):
+        """Step and loss over time for the job's latest attempt (refreshed live with the page)."""
+        attempt = job.attempts.order_by("-number").only("progress_samples").first()
+        return progress_chart_html(attempt.progress_samples if attempt else [])
+
+    progress_chart.short_description = "Progress over time"

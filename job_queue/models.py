@@ -168,6 +168,8 @@ class JobAttempt(models.Model):
     log_lines = models.PositiveIntegerField(default=0)
     log_dropped_chars = models.BigIntegerField(default=0)
     log_missing_lines = models.PositiveIntegerField(default=0)
+    # [seconds since dispatch, step, loss] as progress arrived (job_queue.progress_history), for the job's chart.
+    progress_samples = models.JSONField(default=list, blank=True)
 
     class Meta:
         ordering = ["job", "number"]

@@ -80,3 +80,30 @@ def test_the_admin_shows_the_whole_log_live_and_downloads_it(admin_client):
     JobAttempt.objects.filter(job=job).update(outcome="completed")
     type(job).objects.filter(pk=job.pk).update(status=JobStatus.COMPLETED)
     assert "following the job" not in admin_client.get(f"/admin/queue/job/{job.pk}/log/").content.decode()
+
+
+# --- the progress chart (issue 14.10) -------------------------------------------------------------------
+
+
+def test_reports_and_heartbeats_build_the_attempts_progress_series_and_the_page_draws_it(worker_client, admin_client, commit):
+    from job_queue.progress_history import MAX_SAMPLES, attempt_record_progress
+
+    worker = WorkerFactory()
+    job = job_on_worker(worker)
+    client = worker_client(worker)
+    for step, loss in ((10, 0.9), (20, 0.5)):
+        body = {"status": "running", "attempt": job.lease_id, "progress": {"step": step, "total_steps": 100, "loss": loss}}
+        assert client.post(f"/api/workers/job/{job.pk}/status", body, format="json").status_code == 200
+    beat = {"worker_id": worker.pk, "status": "busy", "current_job_id": job.pk, "progress": {"step": 30, "loss": 0.25}}
+    assert client.post("/api/workers/heartbeat", beat, format="json").status_code == 200
+    client.post("/api/workers/heartbeat", beat, format="json")  # the same progress again: one sample
+
+    samples = _attempt(job).progress_samples
+    assert [s[1:] for s in samples] == [[10, 0.9], [20, 0.5], [30, 0.25]]
+    page = admin_client.get(f"/admin/queue/job/{job.pk}/change/").content.decode()
+    assert 'id="progress-chart"' in page and 'class="st-chart-step"' in page and 'class="st-chart-loss"' in page
+
+    for step in range(31, 31 + MAX_SAMPLES):
+        attempt_record_progress(lease_id=job.lease_id, progress={"step": step})
+    samples = _attempt(job).progress_samples
+    assert len(samples) <= MAX_SAMPLES and samples[0][1] == 10 and samples[-1][1] == 30 + MAX_SAMPLES

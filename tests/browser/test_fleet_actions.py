@@ -156,6 +156,11 @@ def test_the_whole_log_is_followed_live_and_downloaded_from_the_job_page(logged_
     job_mid_run(live_orchestrator, job_id)
 
     page.goto(f"{JOBS}{quote(job_id)}/change/")
+    chart = page.locator("#progress-chart")
+    expect(chart).to_be_visible(timeout=30_000)  # drawn once two samples arrived; the page refreshes it live
+    expect(chart.locator("polyline.st-chart-step")).to_have_count(1)
+    expect(chart.locator("polyline.st-chart-loss")).to_have_count(1)
+    screenshot(page, "job-progress-chart")
     page.locator("#full-log-link").click()
     log = page.locator("#full-log")
     expect(log).to_contain_text(f"# --- attempt 1 on {worker.name}")
@@ -169,3 +174,31 @@ def test_the_whole_log_is_followed_live_and_downloaded_from_the_job_page(logged_
     with page.expect_download() as download:
         page.locator("#full-log-download").click()
     assert download.value.suggested_filename == f"{job_id}.log"
+
+
+def test_the_index_dashboard_and_the_workers_list_at_1400_px(logged_in_page, live_orchestrator, agents):
+    page = logged_in_page
+    tag = secrets.token_hex(3)
+    labels = {"gpu_type": "a100-sxm4-80g", "location": "datacenter-frankfurt-a", "team": "vision-research", "tier": "spot", "rack": f"r{tag}"}
+    worker = agents.fleet.create_worker(labels=labels)
+    agent = agents.start(worker)
+    agents.wait_ready(agent)
+    live_orchestrator.admin(
+        "POST", "/api/queue/submit", json={"config_name": f"waits-{tag}", "worker_labels": {"team": f"nobody-{tag}"}}
+    )
+
+    page.goto("/admin/")
+    overview = page.locator("#fleet-overview")
+    expect(overview.locator("#fleet-gpus")).to_contain_text("GPUs online")
+    expect(overview.locator("#fleet-oldest")).to_contain_text("Next in line:")
+    expect(overview.locator("#fleet-stuck")).to_contain_text("Stuck?")
+    screenshot(page, "index-fleet-dashboard")
+
+    page.goto(f"{WORKERS}?q={worker.name}")
+    expect(page.locator("#result_list")).to_contain_text("datacenter-frankfurt-a")
+    widths = page.evaluate(
+        "() => ({table: document.querySelector('#result_list').scrollWidth,"
+        " room: document.querySelector('#changelist').clientWidth, page: document.documentElement.scrollWidth})"
+    )
+    screenshot(page, "workers-list-1400px")
+    assert widths["table"] <= widths["room"] and widths["page"] <= 1400, widths
