@@ -6,7 +6,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from audit.services import Actor
-from common.fields import BoundedJSON
+from common.fields import Labels, StrictBoolean
 from common.http import error_responses
 from workers import permissions as worker_permissions
 from workers.api.serializers import WorkerSerializer, WorkerTokenSerializer
@@ -16,7 +16,7 @@ from .. import fleet
 
 
 class RotateTokenSerializer(serializers.Serializer):
-    force = serializers.BooleanField(
+    force = StrictBoolean(
         default=False,
         help_text="Rotate even while the worker runs a job: the job goes back to the queue without spending a retry.",
     )
@@ -59,7 +59,7 @@ class AdminWorkerUndrainView(APIView):
 
 
 class WorkerLabelsSerializer(serializers.Serializer):
-    labels = BoundedJSON(types=(dict,), help_text="The worker's new labels, name -> value (they replace the old ones).")
+    labels = Labels(help_text="The worker's new labels, name -> value (they replace the old ones); the rules: README, Limits.")
 
 
 class AdminWorkerLabelsView(APIView):

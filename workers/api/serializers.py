@@ -7,6 +7,8 @@ from common.fields import (
     BoundedInt,
     BoundedJSON,
     BoundedText,
+    Labels,
+    StrictBoolean,
     TrainerJSON,
     TrainerLog,
     TrainerLogLines,
@@ -85,7 +87,7 @@ class WorkerCreateSerializer(serializers.Serializer):
     worker_type = serializers.ChoiceField(
         choices=[WorkerType.EPHEMERAL, WorkerType.PERSISTENT], default=WorkerType.PERSISTENT
     )
-    labels = BoundedJSON(required=False, types=(dict,), help_text="Name -> value; the rules: README, Limits.")
+    labels = Labels(required=False, help_text="Name -> value; the rules: README, Limits.")
 
 
 class WorkerCreatedSerializer(WorkerSerializer):
@@ -113,7 +115,7 @@ class RegisterSerializer(serializers.Serializer):
     gpu_name = BoundedText(required=False, allow_null=True, allow_blank=True, max_length=200)
     gpu_vram_gb = BoundedFloat(required=False, allow_null=True, min_value=0, max_value=GPU_VRAM_GB_MAX)
     accelerator_type = BoundedText(required=False, allow_null=True, allow_blank=True, max_length=32)
-    persistent = serializers.BooleanField(required=False, allow_null=True)
+    persistent = StrictBoolean(required=False, allow_null=True)
     current_job_id = BoundedText(required=False, allow_null=True, allow_blank=True, max_length=ID_MAX_CHARS)
     current_attempt = BoundedText(required=False, allow_null=True, allow_blank=True, max_length=ID_MAX_CHARS)
     hostname = BoundedText(required=False, allow_blank=True, max_length=255)
@@ -168,7 +170,7 @@ class JobStatusReportSerializer(serializers.Serializer):
         line_chars=LOG_LINE_MAX_CHARS,
         help_text="New lines of the attempt's output, {from: n, lines: [...]}: the orchestrator keeps the whole log.",
     )
-    journal = serializers.BooleanField(
+    journal = StrictBoolean(
         required=False, default=False, help_text="The outcome was read back from the agent's journal after it restarted."
     )
 
