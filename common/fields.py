@@ -166,6 +166,23 @@ class TrainerLog(serializers.JSONField):
         return super().to_internal_value(clean_text(data[-self.cut_at :]))
 
 
+class TrainerLogLines(serializers.JSONField):
+    """A run of a trainer's output lines, ``{"from": n, "lines": [...]}``: each line cleaned and cut to
+    ``line_chars``, at most ``max_lines`` kept. Never refused: a malformed run is ignored (None)."""
+
+    def __init__(self, *, max_lines, line_chars, **kwargs):
+        self.max_lines, self.line_chars = max_lines, line_chars
+        super().__init__(**kwargs)
+
+    def to_internal_value(self, data):
+        start = data.get("from") if isinstance(data, dict) else None
+        lines = data.get("lines") if isinstance(data, dict) else None
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < 2**31 or not isinstance(lines, list):
+            return None
+        kept = [clean_text(line if isinstance(line, str) else str(line))[: self.line_chars] for line in lines[: self.max_lines]]
+        return {"from": start, "lines": kept}
+
+
 class TrainerJSON(serializers.JSONField):
     """JSON a trainer produced (progress): cleaned by ``clean_trainer_json``, never refused for its content."""
 

@@ -38,6 +38,7 @@ from . import permissions, worker_admin  # noqa: F401 (worker_admin registers th
 from .admin_artifacts import artifacts_html, attempt_steps_text
 from .admin_configs import stored_config_html
 from .api.serializers import JobSubmitSerializer
+from .log_admin import JobLogAdminMixin
 from .models import JOB_RETRYABLE, JOB_TERMINAL, Job, JobAttempt, JobStatus, JobTarget
 from .selectors import job_waiting_reason
 from .services import job_cancel, job_retry, job_submit
@@ -154,10 +155,10 @@ def _progress_bar(job):
 
 
 @admin.register(Job)
-class JobAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
+class JobAdmin(JobLogAdminMixin, OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
     list_display = ["id", "config_name", "status_display", "progress_bar", "worker_display", "attempts", "age", "target", "priority"]
     live_fields = ("status_display", "progress_bar", "worker_display", "attempts")
-    live_detail_fields = ("waiting", "log")
+    live_detail_fields = ("waiting", "log", "progress_chart")
     list_filter = ["status", "target", "submitted_at"]
     search_fields = ["=id", "config_name", "worker_name"]
     list_select_related = ["worker"]
@@ -175,16 +176,16 @@ class JobAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMixin
     inlines = [JobAttemptInline]
     change_form_template = "admin/queue/job/change_form.html"
     fieldsets = [
-        ("Status", {"fields": ["id", "status_display", "waiting", "progress_bar", "worker_display", "attempts", "last_error", "exit_code"]}),
-        ("Log tail", {"fields": ["log"]}),
+        ("Status", {"fields": ["id", "status_display", "waiting", "progress_bar", "progress_chart", "worker_display", "attempts", "last_error", "exit_code"]}),
+        ("Log tail", {"fields": ["log", "full_log_link"]}),
         ("Artifacts", {"fields": ["artifacts_display"]}),
         ("Settings", {"fields": ["config_name", "stored_config", "config_display", "dataloader_display", "target", "labels", "gpu_count", "priority", "max_retries", "retry_on_failure", "retry_links"]}),
         ("Timing", {"fields": ["submitted_at", "submitted_by", "dispatched_at", "started_at", "finished_at"]}),
         ("Audit trail", {"fields": ["audit_trail"]}),
     ]
     readonly_fields = [
-        "id", "status_display", "waiting", "progress_bar", "worker_display", "attempts", "last_error", "exit_code", "log",
-        "config_name", "config_display", "dataloader_display", "target", "labels", "gpu_count", "priority",
+        "id", "status_display", "waiting", "progress_bar", "progress_chart", "worker_display", "attempts", "last_error", "exit_code", "log",
+        "full_log_link", "config_name", "config_display", "dataloader_display", "target", "labels", "gpu_count", "priority",
         "max_retries", "retry_on_failure", "retry_links", "submitted_at", "submitted_by", "dispatched_at",
         "started_at", "finished_at", "audit_trail", "artifacts_display", "stored_config",
     ]  # fmt: skip

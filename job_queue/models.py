@@ -170,6 +170,14 @@ class JobAttempt(models.Model):
     finished_at = models.DateTimeField(null=True, blank=True)
     outcome = models.CharField(max_length=16, choices=AttemptOutcome.choices, blank=True, default="")
     error = models.TextField(blank=True, default="")
+    # The attempt's whole output (job_queue.logs): its last SIMPLETUNER_JOB_LOG_MAX_CHARS characters, how many
+    # lines were received, how many characters were cut from its start, how many lines never arrived.
+    log = models.TextField(blank=True, default="")
+    log_lines = models.PositiveIntegerField(default=0)
+    log_dropped_chars = models.BigIntegerField(default=0)
+    log_missing_lines = models.PositiveIntegerField(default=0)
+    # [seconds since dispatch, step, loss] as progress arrived (job_queue.progress_history), for the job's chart.
+    progress_samples = models.JSONField(default=list, blank=True)
 
     class Meta:
         ordering = ["job", "number"]

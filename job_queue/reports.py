@@ -15,6 +15,8 @@ from workers.models import Worker
 from .dispatch import redispatch_on_commit, workers_free_and_offer
 from .models import JOB_ACTIVE, JOB_TERMINAL, REPORTED_STATUS, AttemptOutcome, Job, JobStatus
 from .services import lock_job
+from .logs import attempt_append_log
+from .progress_history import attempt_record_progress
 from .transitions import (
     ERROR_MAX_CHARS,
     attempts_finish,
@@ -67,7 +69,9 @@ def job_record_progress(*, job_id, worker, data):
     """Store progress and log tail sent with a heartbeat for the worker's own live job."""
     fields = _progress_fields(data)
     if fields:
-        Job.objects.filter(pk=job_id, worker_id=worker.pk, status__in=JOB_ACTIVE).update(**fields)
+        updated = Job.objects.filter(pk=job_id, worker_id=worker.pk, status__in=JOB_ACTIVE).update(**fields)
+        lease = Job.objects.filter(pk=job_id).values_list("lease_id", flat=True).first() if updated else None
+        attempt_record_progress(lease_id=lease, progress=fields.get("progress"))
 
 
 class _HolderNotLocked(Exception):
@@ -145,6 +149,8 @@ def _job_report(*, worker_id, job_id, data, actor, holder_id):
             )
             # Keep the refusal's audit row: commit it, then raise outside the transaction.
         else:
+            attempt_append_log(lease_id=job.lease_id, chunk=data.get("log_lines"))
+            attempt_record_progress(lease_id=job.lease_id, progress=_normalise_progress(data.get("progress")))
             result = _apply_report(job=job, worker=worker, raw=raw, target=target, error=error, data=data, actor=actor)
     if refusal:
         raise StaleReport(refusal[1], code=refusal[0], extra={"abandon_job": job.pk})

@@ -5,18 +5,25 @@ reconnect, or a 10-second timer makes ``live.js`` fetch the changed cells from t
 URL, rendered by the same display methods as the list itself.
 """
 
+from datetime import timedelta
+
+from django.conf import settings
 from django.contrib import admin
-from django.db.models import Count
+from django.db.models import Count, Q, Sum
 from django.template.response import TemplateResponse
 from django.urls import path
+from django.utils import timezone
 
 from common.permissions import may
 from job_queue.models import Job, JobStatus
 from job_queue.permissions import VIEW_JOBS
+from job_queue.selectors import job_waiting_reason
 from workers.models import Worker, WorkerStatus
 from workers.permissions import VIEW_WORKERS
 
 RECENT_FAILURES = 5
+STUCK_SHOWN = 5
+QUEUED_TOO_LONG = timedelta(minutes=10)
 
 
 # --- the site ---------------------------------------------------------------------------------------
@@ -33,10 +40,46 @@ def fleet_overview(user):
         overview["workers"] = {
             "by_status": [(status, label, by_status.get(status, 0)) for status, label in WorkerStatus.choices],
             "total": sum(by_status.values()),
+            "gpus": _gpus(),
         }
     if may(user, VIEW_JOBS):
         overview["jobs"] = _job_overview()
     return overview
+
+
+def _gpus():
+    """Return the GPUs of online workers: free (idle, with a stream, not draining) and busy (holding a job)."""
+    online = Worker.objects.order_by().filter(status__in=[WorkerStatus.IDLE, WorkerStatus.BUSY, WorkerStatus.DRAINING])
+    totals = online.aggregate(
+        free=Sum("gpu_count", filter=Q(status=WorkerStatus.IDLE, stream_id__isnull=False, drain_requested_at__isnull=True)),
+        busy=Sum("gpu_count", filter=Q(current_job__isnull=False)),
+        total=Sum("gpu_count"),
+    )
+    return {key: value or 0 for key, value in totals.items()}
+
+
+def stuck_jobs(now=None):
+    """Return up to STUCK_SHOWN ``(job, why)`` that look stuck: a dispatch unacknowledged for half the
+    acknowledgement timeout, a running job whose worker has been silent for two heartbeats, a job queued
+    for ten minutes."""
+    now = now or timezone.now()
+    config = settings.SIMPLETUNER
+    found = []
+    unacked = now - timedelta(seconds=config["DISPATCH_ACK_TIMEOUT"] / 2)
+    for job in Job.objects.filter(status=JobStatus.DISPATCHED, dispatched_at__lt=unacked).order_by("dispatched_at")[:STUCK_SHOWN]:
+        found.append((job, f"dispatched to {job.worker_name} {_ago(now, job.dispatched_at)} ago and not acknowledged"))
+    silent = now - timedelta(seconds=2 * config["HEARTBEAT_INTERVAL"])
+    running = Job.objects.filter(status=JobStatus.RUNNING, worker__last_heartbeat__lt=silent).select_related("worker")
+    for job in running.order_by("started_at")[:STUCK_SHOWN]:
+        found.append((job, f"its worker {job.worker_name} has been silent for {_ago(now, job.worker.last_heartbeat)}"))
+    for job in Job.objects.filter(status=JobStatus.QUEUED, submitted_at__lt=now - QUEUED_TOO_LONG).order_by("submitted_at")[:STUCK_SHOWN]:
+        found.append((job, f"queued for {_ago(now, job.submitted_at)}: {job_waiting_reason(job)}"))
+    return found[:STUCK_SHOWN]
+
+
+def _ago(now, moment):
+    seconds = int((now - moment).total_seconds()) if moment else 0
+    return f"{seconds // 60} min" if seconds >= 120 else f"{seconds} s"
 
 
 def _job_overview():
@@ -46,7 +89,10 @@ def _job_overview():
         .values_list("status")
         .annotate(n=Count("pk"))
     )
+    oldest = Job.objects.filter(status=JobStatus.QUEUED).order_by("-priority", "submitted_at").first()
     return {
+        "oldest_waiting": (oldest, job_waiting_reason(oldest)) if oldest else None,
+        "stuck": stuck_jobs(),
         "queued": job_counts.get(JobStatus.QUEUED, 0),
         "running": job_counts.get(JobStatus.RUNNING, 0) + job_counts.get(JobStatus.DISPATCHED, 0),
         "recent_failures": list(

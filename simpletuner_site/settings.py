@@ -279,6 +279,9 @@ SIMPLETUNER = {
     "DISPATCH_ACK_TIMEOUT": _env_seconds("SIMPLETUNER_DISPATCH_ACK_TIMEOUT", 60),
     "EPHEMERAL_CLEANUP_AFTER": _env_seconds("SIMPLETUNER_EPHEMERAL_CLEANUP_AFTER", 3600),
     "JOB_MAX_RETRIES": _env_int("SIMPLETUNER_JOB_MAX_RETRIES", 3, minimum=0, maximum=100),
+    # The whole output of each attempt of a job is kept up to this many characters (the oldest go first, and
+    # the log says how much went); job_queue.logs.
+    "JOB_LOG_MAX_CHARS": _env_int("SIMPLETUNER_JOB_LOG_MAX_CHARS", 2_000_000, minimum=16 * 1024, maximum=200_000_000),
     # The built-in local worker that `simpletuner server` starts (see simpletuner_cli.local_worker).
     "LOCAL_WORKER_NAME": _local_worker_name(),
     # Who may read /metrics: operators (API token or session), public (no auth), off (404).

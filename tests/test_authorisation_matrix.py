@@ -64,6 +64,7 @@ ROUTES = {
     "queue-job": (OPERATOR, {"GET": "queue.view_job"}, None),
     "queue-job-cancel": (OPERATOR, {"POST": "queue.cancel_job"}, None),
     "queue-job-retry": (OPERATOR, {"POST": "queue.retry_job"}, None),
+    "queue-job-log": (OPERATOR, {"GET": "queue.view_job"}, None),
     "audit-list": (OPERATOR, {"GET": "audit.view_auditevent"}, None),
     "api-schema": (OPERATOR, {"GET": SIGNED_IN}, None),
     "api-docs": (OPERATOR, {"GET": SIGNED_IN}, None),
@@ -201,7 +202,7 @@ class World:
             kwargs["worker_id"] = self.offline.pk
         if name == "worker-job-status":
             kwargs["job_id"] = self.a_job.pk
-        if name in ("queue-job", "queue-job-cancel"):
+        if name in ("queue-job", "queue-job-cancel", "queue-job-log"):
             kwargs["job_id"] = self.queued.pk
         if name == "queue-job-retry":
             kwargs["job_id"] = self.failed.pk

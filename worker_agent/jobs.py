@@ -255,6 +255,9 @@ class JobsMixin:
             "progress": progress or None,
             "log_tail": run.log_tail(),
         }
+        chunk = run.log_chunk()
+        if chunk:
+            body["log_lines"] = chunk  # the whole log, kept by the orchestrator, a run of new lines at a time
         try:
             self.client.report(run.job_id, body)
         except Refused as exc:
@@ -267,6 +270,7 @@ class JobsMixin:
             logger.debug("progress report for job %s failed: %s", run.job_id, exc)
             return
         self.reported_version = version
+        run.log_sent(chunk)
 
     def _console_progress(self):
         run = self.job
@@ -352,6 +356,9 @@ class JobsMixin:
         if body["status"] == protocol.COMPLETED and getattr(run, "upload_error", None):
             # The trainer finished but its outputs are not in the artifact store: not a completed job.
             body.update(status=protocol.FAILED, error=f"training finished but its outputs could not be uploaded: {run.upload_error}")
+        chunk = run.log_chunk()
+        if chunk:
+            body["log_lines"] = chunk  # the output not yet sent goes with the result
         if body["status"] == protocol.CANCELLED:
             logger.info("Job %s cancelled after %s", run.job_id, took)
         elif body["status"] == protocol.COMPLETED:

@@ -248,7 +248,20 @@ class JobReport(TypedDict, total=False):
     progress: dict | float | None
     exit_code: int | None
     log_tail: list | str | None
+    log_lines: "LogLines"  # the attempt's output lines not yet accepted (ours; the upstream agent sends none)
     journal: bool  # the outcome was read back from the agent's job directory after the agent restarted
+
+
+class LogLines(TypedDict):
+    """A run of an attempt's output lines: ``lines`` are its lines number ``from``, ``from + 1``, ... (0 is
+    the attempt's first line; progress lines are not counted). The orchestrator keeps each line once."""
+
+    # "from" is a keyword: the key is written as a string wherever it is used
+    lines: list
+
+
+LOG_LINES_FROM = "from"
+LOG_CHUNK_MAX_LINES = 2000  # per report (a line is at most 2,000 characters: well under the request limit)
 
 
 # The reason a report read back from an agent's journal gives in the job's audit trail.

@@ -2,6 +2,7 @@
 
 import collections
 import errno
+import itertools
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_COMMAND = (sys.executable, "-m", "simpletuner.train")
 TAIL_LINES = 200  # kept in memory; the last REPORTED_TAIL_LINES are sent to the orchestrator
+UNSENT_MAX_LINES = 20_000  # output lines kept until the orchestrator has them (older ones are then lost, and said so)
 REPORTED_TAIL_LINES = 50
 MAX_LINE_CHARS = 2000
 FOLLOW_INTERVAL = 0.1  # how often the agent looks for new output in train.log, in seconds
@@ -144,6 +146,8 @@ class Output:
         self.progress = {}
         self.version = 0
         self.tail = collections.deque(maxlen=TAIL_LINES)
+        self.lines_total = 0  # output lines so far (progress lines not counted)
+        self.unsent = collections.deque(maxlen=UNSENT_MAX_LINES)  # the last lines not yet accepted
 
     def add(self, raw):
         """Fold one line of output (bytes, any encoding: invalid UTF-8 is replaced)."""
@@ -153,9 +157,24 @@ class Output:
             self.progress = progress_protocol.merge(self.progress, update)
         elif text.strip():
             self.tail.append(text[:MAX_LINE_CHARS])
+            self.unsent.append(text[:MAX_LINE_CHARS])
+            self.lines_total += 1
         else:
             return
         self.version += 1
+
+    def log_chunk(self, max_lines=protocol.LOG_CHUNK_MAX_LINES):
+        """Return the oldest unsent lines as ``protocol.LogLines`` (None when all were accepted)."""
+        if not self.unsent:
+            return None
+        first = self.lines_total - len(self.unsent)
+        return {protocol.LOG_LINES_FROM: first, "lines": list(itertools.islice(self.unsent, max_lines))}
+
+    def log_sent(self, upto):
+        """Forget the lines numbered below ``upto``: the orchestrator accepted them."""
+        first = self.lines_total - len(self.unsent)
+        for _ in range(max(0, min(upto - first, len(self.unsent)))):
+            self.unsent.popleft()
 
     def log_tail(self, lines=REPORTED_TAIL_LINES):
         return "\n".join(list(self.tail)[-lines:])
@@ -338,6 +357,16 @@ class JobRun:
     def last_line(self):
         with self._lock:
             return self.output.last_line()
+
+    def log_chunk(self):
+        with self._lock:
+            return self.output.log_chunk()
+
+    def log_sent(self, chunk):
+        """Record that the orchestrator accepted ``chunk`` (from ``log_chunk``)."""
+        if chunk:
+            with self._lock:
+                self.output.log_sent(chunk[protocol.LOG_LINES_FROM] + len(chunk["lines"]))
 
     def snapshot(self):
         """Return ``(progress, version)`` consistently."""

@@ -59,7 +59,7 @@ class AdminWorkerUndrainView(APIView):
 
 
 class WorkerLabelsSerializer(serializers.Serializer):
-    labels = Labels(help_text="The worker's new labels, name -> value (they replace the old ones).")
+    labels = Labels(help_text="The worker's new labels, name -> value (they replace the old ones); the rules: README, Limits.")
 
 
 class AdminWorkerLabelsView(APIView):

@@ -8,4 +8,5 @@ urlpatterns = [
     re_path(r"^(?P<job_id>[\w-]+)/?$", views.JobDetailView.as_view(), name="queue-job"),
     re_path(r"^(?P<job_id>[\w-]+)/cancel/?$", views.JobCancelView.as_view(), name="queue-job-cancel"),
     re_path(r"^(?P<job_id>[\w-]+)/retry/?$", views.JobRetryView.as_view(), name="queue-job-retry"),
+    re_path(r"^(?P<job_id>[\w-]+)/log/?$", views.JobLogView.as_view(), name="queue-job-log"),
 ]

@@ -1,5 +1,6 @@
 """Queue endpoints for operators: submit, list, inspect, cancel, retry."""
 
+from django.http import HttpResponse
 from drf_spectacular.utils import extend_schema
 from rest_framework import status
 from rest_framework.generics import ListAPIView
@@ -11,6 +12,7 @@ from common.http import error_responses, query_param, query_parameter, status_fi
 from common.errors import NotFound
 
 from .. import permissions, services
+from ..logs import job_full_log
 from ..models import Job, JobStatus
 from .serializers import JobDetailSerializer, JobSerializer, JobSubmitSerializer, JobSubmittedSerializer
 
@@ -108,3 +110,20 @@ class JobRetryView(APIView):
     def post(self, request, job_id):
         job, dispatched = services.job_retry(job_id=job_id, actor=Actor.for_request(request))
         return _submitted(request, job, dispatched)
+
+
+class JobLogView(APIView):
+    operator_permissions = {"GET": permissions.VIEW_JOBS}
+
+    @extend_schema(
+        tags=["queue"],
+        summary="Download a job's whole log (text/plain): every attempt's output, saying what was cut",
+        responses={(200, "text/plain"): str, **error_responses(401, 403, 404)},
+    )
+    def get(self, request, job_id):
+        job = Job.objects.filter(pk=job_id).first()
+        if job is None:
+            raise NotFound(f"job {job_id} does not exist")
+        response = HttpResponse(job_full_log(job), content_type="text/plain; charset=utf-8")
+        response["Content-Disposition"] = f'attachment; filename="{job.pk}.log"'
+        return response

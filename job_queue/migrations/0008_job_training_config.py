@@ -8,7 +8,7 @@ class Migration(migrations.Migration):
 
     dependencies = [
         ('configs', '0001_initial'),
-        ('queue', '0007_attempt_outcome_interrupted'),
+        ('queue', '0007_attempt_interrupted_log_progress'),
     ]
 
     operations = [

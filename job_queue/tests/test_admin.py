@@ -470,7 +470,7 @@ def test_the_job_page_refreshes_its_status_progress_wait_and_log_from_the_detail
 
     assert f'<meta name="simpletuner-live-object" content="{LIVE}" data-id="{job.pk}">' in page
     assert set(listed) == {"status_display", "progress_bar", "worker_display", "attempts"}
-    assert set(detail) == set(listed) | {"waiting", "log"}
+    assert set(detail) == set(listed) | {"waiting", "log", "progress_chart"}
     assert "step 1\nstep 2" in detail["log"]
     assert detail["waiting"] == "no worker is registered"
 

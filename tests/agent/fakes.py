@@ -153,6 +153,15 @@ class FakeRun:
     def last_line(self):
         return self.tail[-1] if self.tail else ""
 
+    def log_chunk(self):
+        """As JobRun: the lines not yet accepted by the orchestrator (all of ``tail`` from ``sent`` on)."""
+        sent = getattr(self, "sent", 0)
+        return {"from": sent, "lines": self.tail[sent:]} if len(self.tail) > sent else None
+
+    def log_sent(self, chunk):
+        if chunk:
+            self.sent = chunk["from"] + len(chunk["lines"])
+
     def emit(self, line=None, **progress):
         if line:
             self.tail.append(line)

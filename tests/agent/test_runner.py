@@ -182,3 +182,31 @@ def _alive(pid):
     except FileNotFoundError:
         return False
     return True
+
+
+def test_output_hands_out_its_unsent_lines_by_number_until_accepted():
+    from worker_agent.runner import Output
+
+    output = Output()
+    for line in (b"first", b'SIMPLETUNER_PROGRESS {"step": 1}', b"second", b"   ", b"third"):
+        output.add(line)
+    chunk = output.log_chunk(max_lines=2)
+    assert chunk == {"from": 0, "lines": ["first", "second"]}  # progress and blank lines are not counted
+    output.log_sent(2)
+    assert output.log_chunk() == {"from": 2, "lines": ["third"]}
+    output.log_sent(3)
+    assert output.log_chunk() is None
+    output.add(b"fourth")
+    assert output.log_chunk() == {"from": 3, "lines": ["fourth"]}
+
+
+def test_output_lines_never_accepted_beyond_its_memory_are_skipped_by_number(monkeypatch):
+    from collections import deque
+
+    from worker_agent.runner import Output
+
+    output = Output()
+    output.unsent = deque(maxlen=3)
+    for n in range(5):
+        output.add(f"line {n}".encode())
+    assert output.log_chunk() == {"from": 2, "lines": ["line 2", "line 3", "line 4"]}  # lines 0-1 were lost

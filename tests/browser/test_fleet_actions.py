@@ -144,3 +144,61 @@ def test_create_an_api_token_shown_once_with_an_expiry_then_revoke_it(logged_in_
     expect(page.locator(".messagelist")).to_contain_text("Revoked 1 API token(s)")
     refused = live_orchestrator.request("GET", "/api/queue/", headers={"Authorization": f"Bearer {token}"})
     assert refused.status_code == 401
+
+
+def test_the_whole_log_is_followed_live_and_downloaded_from_the_job_page(logged_in_page, live_orchestrator, agents):
+    page = logged_in_page
+    pool = f"log-{secrets.token_hex(3)}"
+    worker = agents.fleet.create_worker(labels={"pool": pool})
+    agent = agents.start(worker)
+    agents.wait_ready(agent)
+    job_id = agents.submit(labels={"pool": pool}, config={"max_train_steps": 600, "step_delay": 0.01, "checkpoint_every": 2})["job_id"]
+    job_mid_run(live_orchestrator, job_id)
+
+    page.goto(f"{JOBS}{quote(job_id)}/change/")
+    chart = page.locator("#progress-chart")
+    expect(chart).to_be_visible(timeout=30_000)  # drawn once two samples arrived; the page refreshes it live
+    expect(chart.locator("polyline.st-chart-step")).to_have_count(1)
+    expect(chart.locator("polyline.st-chart-loss")).to_have_count(1)
+    screenshot(page, "job-progress-chart")
+    page.locator("#full-log-link").click()
+    log = page.locator("#full-log")
+    expect(log).to_contain_text(f"# --- attempt 1 on {worker.name}")
+    expect(page.locator("#full-log-state")).to_contain_text("following the job")
+    before = log.inner_text()
+    expect(page.locator("#full-log-state")).to_have_text("the job has finished", timeout=60_000)  # it followed the job live
+    after = log.inner_text()
+    assert len(after) > len(before) and "(completed)" in after
+    assert after.count("\n") > 100  # every line, not the 50-line tail
+    screenshot(page, "job-whole-log")
+    with page.expect_download() as download:
+        page.locator("#full-log-download").click()
+    assert download.value.suggested_filename == f"{job_id}.log"
+
+
+def test_the_index_dashboard_and_the_workers_list_at_1400_px(logged_in_page, live_orchestrator, agents):
+    page = logged_in_page
+    tag = secrets.token_hex(3)
+    labels = {"gpu_type": "a100-sxm4-80g", "location": "datacenter-frankfurt-a", "team": "vision-research", "tier": "spot", "rack": f"r{tag}"}
+    worker = agents.fleet.create_worker(labels=labels)
+    agent = agents.start(worker)
+    agents.wait_ready(agent)
+    live_orchestrator.admin(
+        "POST", "/api/queue/submit", json={"config_name": f"waits-{tag}", "worker_labels": {"team": f"nobody-{tag}"}}
+    )
+
+    page.goto("/admin/")
+    overview = page.locator("#fleet-overview")
+    expect(overview.locator("#fleet-gpus")).to_contain_text("GPUs online")
+    expect(overview.locator("#fleet-oldest")).to_contain_text("Next in line:")
+    expect(overview.locator("#fleet-stuck")).to_contain_text("Stuck?")
+    screenshot(page, "index-fleet-dashboard")
+
+    page.goto(f"{WORKERS}?q={worker.name}")
+    expect(page.locator("#result_list")).to_contain_text("datacenter-frankfurt-a")
+    widths = page.evaluate(
+        "() => ({table: document.querySelector('#result_list').scrollWidth,"
+        " room: document.querySelector('#changelist').clientWidth, page: document.documentElement.scrollWidth})"
+    )
+    screenshot(page, "workers-list-1400px")
+    assert widths["table"] <= widths["room"] and widths["page"] <= 1400, widths

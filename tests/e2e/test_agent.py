@@ -687,3 +687,26 @@ def test_failed_report_with_a_nul_in_its_reason_ends_failed_not_running(orchestr
     agent.wait_for_line(f"Job {job_id} failed after")
     assert not agent.has_line("rejected")
     no_traceback(agent)
+
+
+def test_the_whole_log_of_a_job_reaches_the_orchestrator(orchestrator, fleet, agents):
+    """Issue 14.6: every line the trainer printed (progress lines aside) is in the job's log, once, in order."""
+    worker = fleet.create_worker(labels={"pool": fleet.tag})
+    agent = agents.start(worker)
+    agents.wait_ready(agent)
+    many_lines = {"max_train_steps": 240, "step_delay": 0.01, "checkpoint_every": 2}  # a line per checkpoint
+    job_id = agents.submit(labels={"pool": fleet.tag}, config=many_lines)["job_id"]
+    job_in(orchestrator, job_id, "completed", timeout=JOB_DEADLINE_S)
+
+    printed = [
+        line.rstrip()
+        for line in (agent.work_dir / job_id / "train.log").read_text().splitlines()
+        if line.strip() and not line.startswith("SIMPLETUNER_PROGRESS")
+    ]
+    assert len(printed) > 100  # more than the 50-line tail holds
+    response = orchestrator.admin("GET", f"/api/queue/{job_id}/log")
+    assert response.status_code == 200
+    text = response.text
+    header = f"# --- attempt 1 on {worker.name} (completed): {len(printed)} line(s) ---\n"
+    assert header in text
+    assert text.split(header, 1)[1] == "".join(f"{line}\n" for line in printed)

@@ -11,6 +11,7 @@ from common.fields import (
     StrictBoolean,
     TrainerJSON,
     TrainerLog,
+    TrainerLogLines,
     TrainerText,
 )
 from common.http import api_url
@@ -20,6 +21,7 @@ from worker_agent import protocol
 from ..models import Worker, WorkerType
 
 WORKER_NAME_MAX_CHARS = Worker._meta.get_field("name").max_length
+LOG_LINE_MAX_CHARS = 2000  # as the agent cuts them (worker_agent.runner.MAX_LINE_CHARS)
 ID_MAX_CHARS = 64  # worker, job and attempt ids (the longest column is 40)
 
 
@@ -161,6 +163,13 @@ class JobStatusReportSerializer(serializers.Serializer):
         help_text="The trainer's exit status: a shell's (128+N for signal N), or a Windows one such as 0xC0000005.",
     )
     log_tail = TrainerLog(required=False, allow_null=True, max_length=LOG_TAIL_MAX_CHARS)
+    log_lines = TrainerLogLines(
+        required=False,
+        allow_null=True,
+        max_lines=protocol.LOG_CHUNK_MAX_LINES,
+        line_chars=LOG_LINE_MAX_CHARS,
+        help_text="New lines of the attempt's output, {from: n, lines: [...]}: the orchestrator keeps the whole log.",
+    )
     journal = StrictBoolean(
         required=False, default=False, help_text="The outcome was read back from the agent's journal after it restarted."
     )
