@@ -38,6 +38,7 @@ from fleet_http import Client  # noqa: E402
 from fleet_servers import server_for  # noqa: E402
 from fleet_sim import Fleet  # noqa: E402
 
+SCENARIOS = ("latency", "throughput", "streams", "heartbeats", "failover", "scale-out")
 SHORT_TIMERS = {"SIMPLETUNER_HEARTBEAT_INTERVAL": "0.5", "SIMPLETUNER_HEALTH_CHECK_INTERVAL": "0.5"}
 
 
@@ -78,15 +79,22 @@ async def measure(server, a):
     out = {}
     try:
         await fleet.add(1, sc.MEASURED, prefix="lat", heartbeat=30)
-        out["latency_0"] = {**await sc.dispatch_latency(fleet, n=a.n, warmup=a.warmup), "load": load()}
-        out["throughput"] = {**await sc.throughput(fleet, workers=a.tp_workers, duration=a.duration), "load": load()}
+        if "latency" in a.only:
+            out["latency_0"] = {**await sc.dispatch_latency(fleet, n=a.n, warmup=a.warmup), "load": load()}
+        if "throughput" in a.only:
+            out["throughput"] = {**await sc.throughput(fleet, workers=a.tp_workers, duration=a.duration), "load": load()}
+        if not {"latency", "heartbeats", "streams"} & set(a.only):
+            return out
+        await asyncio.sleep(2)  # what the last step left (event storage, on-commit dispatches) settles
         before = sc.server_sample(server) if server.server_pids() else None
         await fleet.add(a.fleet, {"role": "fleet"}, prefix="fleet", heartbeat=30)
-        out["latency_fleet"] = {**await sc.dispatch_latency(fleet, n=a.n, warmup=a.warmup), "load": load()}
-        out["heartbeats"] = {**await sc.heartbeats(fleet, rate=a.hb_rate, duration=a.hb_duration), "load": load()}
-        if before is not None:
+        if "latency" in a.only:
+            out["latency_fleet"] = {**await sc.dispatch_latency(fleet, n=a.n, warmup=a.warmup), "load": load()}
+        if before is not None and "streams" in a.only:  # before the heartbeat storm, which leaves work behind
             out["idle_streams"] = {**await sc.idle_streams(fleet, server, streams=max(a.streams, a.fleet),
                                                            before=before), "load": load()}
+        if "heartbeats" in a.only:
+            out["heartbeats"] = {**await sc.heartbeats(fleet, rate=a.hb_rate, duration=a.hb_duration), "load": load()}
     finally:
         fleet.close()
     return out
@@ -139,11 +147,12 @@ async def run(a):
         t0 = time.time()
         print(f"[{name}] starting (load {load()})", flush=True)
         server.start()
+        print(f"[{name}] at {server.url}, server pids {server.server_pids()}", flush=True)
         try:
             results[name] = {"config": config_of(server, name), **await measure(server, a)}
         finally:
             server.stop()
-        if name in ("sqlite", "pg") and not a.no_failover:
+        if name in ("sqlite", "pg") and "failover" in a.only:
             kw = {"database_url": os.environ.get("DATABASE_URL"), "redis_url": os.environ.get("REDIS_URL")} \
                 if name == "pg" else {}
             timers = {**SHORT_TIMERS, "SIMPLETUNER_HEARTBEAT_TIMEOUT": str(a.failover_timeout)}
@@ -153,7 +162,7 @@ async def run(a):
                 results[name]["failover"] = await measure_failover(server, a.failover_timeout)
             finally:
                 server.stop()
-        if name == "pg" and not a.no_scale_out:
+        if name == "pg" and "scale-out" in a.only:
             server = server_for("pg", database_url=os.environ["DATABASE_URL"], redis_url=os.environ["REDIS_URL"],
                                 processes=2)
             server.start()
@@ -214,8 +223,8 @@ def parse(argv=None):
     ap.add_argument("--hb-rate", type=float, default=1000, help="heartbeats offered per second")
     ap.add_argument("--hb-duration", type=float, default=10)
     ap.add_argument("--failover-timeout", type=float, default=2, help="heartbeat timeout of the failover run (s)")
-    ap.add_argument("--no-failover", action="store_true")
-    ap.add_argument("--no-scale-out", action="store_true")
+    ap.add_argument("--only", default=",".join(SCENARIOS),
+                    help=f"comma-separated subset of: {', '.join(SCENARIOS)} (default all)")
     ap.add_argument("--json", default="bench-fleet.json", help="where to write the results")
     ap.add_argument("--smoke", action="store_true", help="a few seconds of each figure on SQLite")
     a = ap.parse_args(argv)
@@ -223,6 +232,9 @@ def parse(argv=None):
         a.n, a.warmup, a.fleet, a.streams, a.tp_workers, a.duration = 3, 1, 5, 5, 3, 2
         a.hb_rate, a.hb_duration, a.failover_timeout = 20, 1, 1
     a.servers = [s.strip() for s in a.servers.split(",") if s.strip()]
+    a.only = [s.strip() for s in a.only.split(",") if s.strip()]
+    if set(a.only) - set(SCENARIOS):
+        ap.error(f"unknown scenarios: {', '.join(sorted(set(a.only) - set(SCENARIOS)))}")
     unknown = set(a.servers) - {"peer", "sqlite", "pg"}
     if unknown:
         ap.error(f"unknown servers: {', '.join(sorted(unknown))}")

@@ -59,8 +59,8 @@ class Client:
         self._slots = asyncio.Semaphore(pool)
         self.requests = 0
 
-    async def _connect(self):
-        if self._idle:
+    async def _connect(self, fresh=False):
+        if self._idle and not fresh:
             return self._idle.pop()
         return await asyncio.open_connection(self.host, self.port, limit=1 << 20)
 
@@ -76,7 +76,12 @@ class Client:
         async with self._slots:
             t0 = time.perf_counter()
             for attempt in (0, 1):
-                reader, writer = await self._connect()
+                # a pooled keep-alive connection the server closed meanwhile (uvicorn: after 5 s idle) fails
+                # at once: the one retry is on a fresh connection
+                try:
+                    reader, writer = await self._connect(fresh=attempt > 0)
+                except OSError as exc:
+                    raise HTTPError(f"{method} {path}: {exc!r}") from None
                 try:
                     writer.write(raw)
                     status, head = await asyncio.wait_for(_read_head(reader), self.timeout)
@@ -86,7 +91,7 @@ class Client:
                         body = await reader.readexactly(int(head.get("content-length", "0")))
                 except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
                     writer.close()
-                    if attempt == 0:  # a pooled keep-alive connection the server had closed: retry once, fresh
+                    if attempt == 0:
                         continue
                     raise HTTPError(f"{method} {path}: {exc!r}") from None
                 except asyncio.TimeoutError:

@@ -198,6 +198,10 @@ class PeerServer:
         return self.peer.tail(n)
 
     def stop(self):
+        if self.peer.proc is not None and self.peer.proc.poll() is not None:
+            print(f"the peer had exited with status {self.peer.proc.returncode}", file=sys.stderr)
+        with contextlib.suppress(OSError):
+            shutil.copy(self.peer.log, Path(tempfile.gettempdir()) / "fleet-peer-last.log")
         self.peer.cleanup()
 
 

@@ -1,4 +1,5 @@
-"""ASGI entry point: streams run on the event loop without a thread each; every other request makes one thread hop."""
+"""ASGI entry point: streams run on the event loop without a thread each; every other request makes one hop to a
+request thread from a fixed pool."""
 
 import os
 
@@ -8,9 +9,13 @@ import django  # noqa: E402
 
 django.setup(set_prefix=False)
 
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+
 from asgiref.sync import sync_to_async  # noqa: E402
+from django.conf import settings  # noqa: E402
 from django.core.exceptions import RequestAborted  # noqa: E402
 from django.core.handlers.asgi import ASGIHandler  # noqa: E402
+from django.db import close_old_connections  # noqa: E402
 
 from realtime.urls import STREAM_PATHS  # noqa: E402  the worker stream and the operators' change feed
 
@@ -43,18 +48,31 @@ class StreamASGIHandler(ASGIHandler):
             return None
 
 
-class SyncChainASGIHandler(ASGIHandler):
-    """Django's ASGI handler with the middleware chain built in sync mode and entered with one thread hop.
+class SyncChainASGIHandler(StreamASGIHandler):
+    """Django's ASGI handler with the middleware chain built in sync mode, run on a fixed pool of threads.
 
     Built in async mode, each sync step of the middleware (every ``process_request`` and
-    ``process_response`` of Django's own) is a hop of its own from the event loop to the request's
-    thread and back; the API's views are sync anyway. Built in sync mode, the middleware and the view
-    run in one go on the request's thread.
+    ``process_response`` of Django's own) is a hop of its own from the event loop to a thread and back;
+    the API's views are sync anyway. Built in sync mode, the middleware and the view run in one go.
+    And rather than a brand-new thread per request (Django's ThreadSensitiveContext), the chain runs on
+    one of ``settings.REQUEST_THREADS`` long-lived threads: no thread start per request, and each thread
+    keeps its database connection as ``CONN_MAX_AGE`` or the PostgreSQL pool allows (checked and, if
+    obsolete or broken, closed before and after each request, as Django's request signals would).
     """
 
     def load_middleware(self, is_async=False):
         super().load_middleware(is_async=False)
-        self._middleware_chain = sync_to_async(self._middleware_chain, thread_sensitive=True)
+        chain = self._middleware_chain
+        self.threads = ThreadPoolExecutor(max_workers=settings.REQUEST_THREADS, thread_name_prefix="request")
+
+        def run(request):
+            close_old_connections()
+            try:
+                return chain(request)
+            finally:
+                close_old_connections()
+
+        self._middleware_chain = sync_to_async(run, thread_sensitive=False, executor=self.threads)
 
 
 class StreamAwareASGIHandler:

@@ -220,6 +220,15 @@ else:
         }
     }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+# Threads per server process running requests (everything but the streams; simpletuner_site.asgi). They
+# live as long as the process, so each keeps its database connection: SQLite's for CONN_MAX_AGE seconds;
+# PostgreSQL's goes back to the pool after each request. SQLite takes one writer at a time, so more
+# threads there only wait on its lock.
+_SQLITE = DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3"
+REQUEST_THREADS = _env_int("SIMPLETUNER_REQUEST_THREADS", 4 if _SQLITE else max(DB_POOL_SIZE, 4), minimum=1, maximum=1000)
+if _SQLITE:
+    DATABASES["default"]["CONN_MAX_AGE"] = 600
+    DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 
 # --- Redis: cross-process event delivery and the Celery broker ------------------------------
 REDIS_URL = os.environ.get("REDIS_URL", "")

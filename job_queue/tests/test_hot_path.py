@@ -25,6 +25,9 @@ def actor():
 
 @pytest.mark.django_db(transaction=True)
 def test_a_dispatching_submit_commits_once_with_its_audit_rows(actor):
+    # steady state: the audit chain's head row and the worker's event channel exist (a first submit makes them)
+    WorkerFactory(name="warm-up")
+    job_submit(config_name="c", actor=actor)
     worker = WorkerFactory()
     commits = mock.patch.object(connection, "commit", wraps=connection.commit)
     with commits as counted, CaptureQueriesContext(connection) as queries:

@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from asgiref.sync import async_to_sync, iscoroutinefunction
+from asgiref.sync import async_to_sync, iscoroutinefunction, sync_to_async
 from asgiref.testing import ApplicationCommunicator
 from django.test import AsyncClient, Client
 
@@ -72,3 +72,21 @@ def test_a_stream_with_a_bad_token_is_refused_through_the_stream_handler():
 def test_a_static_file_is_served_through_the_asgi_application():
     status, body = async_to_sync(asgi_get)(STATIC_FILE)
     assert status == 200 and body
+
+
+def test_requests_run_on_the_fixed_request_threads():
+    from django.conf import settings
+
+    handler = application.requests
+    assert handler.threads._max_workers == settings.REQUEST_THREADS
+    names = set()
+
+    def record(request):
+        import threading
+
+        names.add(threading.current_thread().name)
+
+    for _ in range(3):
+        async_to_sync(sync_to_async(record, thread_sensitive=False, executor=handler.threads))(None)
+    assert names and all(n.startswith("request") for n in names)
+    assert len(names) <= settings.REQUEST_THREADS
