@@ -41,9 +41,7 @@ class UploadTokenView(APIView):
 
     def initial(self, request, *args, **kwargs):
         super().initial(request, *args, **kwargs)
-        if not hasattr(self, request.method.lower()):  # a method it does not serve is a 405 (with Allow), token or not
-            self.http_method_not_allowed(request, *args, **kwargs)
-        uploads.attempt_for_token(_token(request))  # 401 to a caller without an attempt's token
+        uploads.attempt_for_token(_token(request))  # 401 to a caller without an attempt's token, whatever the method
 
 
 class ArtifactObjectView(UploadTokenView):
