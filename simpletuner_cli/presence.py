@@ -31,6 +31,23 @@ def start_presence_beacon():
     return beacon.start()
 
 
+def end_presence():
+    """Mark this server process stopped (best effort: a failure is logged, the shutdown goes on)."""
+    import logging
+
+    from django.db import DatabaseError, connections
+
+    from workers.services import server_presence_end
+    from workers.streams import server_process_id
+
+    try:
+        server_presence_end(process_id=server_process_id())
+    except DatabaseError as exc:
+        logging.getLogger(__name__).warning("could not record this server's stop: %s", exc)
+    finally:
+        connections.close_all()
+
+
 def start_embedded_sweeps(settings):
     """Start the sweeps in this process and return their scheduler; None when Celery beat runs them (REDIS_URL)."""
     if settings.REDIS_URL:

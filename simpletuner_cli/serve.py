@@ -5,7 +5,7 @@ from pathlib import Path
 
 from .endpoints import endpoint_string, listen_address, local_worker_endpoint, mask_url, public_url
 from .errors import CLIError
-from .presence import start_embedded_sweeps, start_presence_beacon
+from .presence import end_presence, start_embedded_sweeps, start_presence_beacon
 from .tls import cert_fingerprint, ensure_self_signed_cert, load_cert, load_tls_pair
 
 SETTINGS_MODULE = "simpletuner_site.settings"
@@ -133,6 +133,7 @@ def run_server(args):
         if scheduler is not None:
             scheduler.stop()
         presence.stop()
+        end_presence()
     return 0
 
 

@@ -212,13 +212,16 @@ class OrchestratorClient:
             self._wrong_scheme()
             raise self._tls_error(exc) from None
         except requests.exceptions.ConnectionError as exc:
-            if isinstance(exc, requests.exceptions.ConnectTimeout) or self._reason(exc) != "connection refused":
+            # An HTTPS server closes a plain-HTTP request; a plain-HTTP server never answers a TLS handshake.
+            closed = self._reason(exc) in ("connection closed by the server", "connection reset")
+            if closed or (isinstance(exc, requests.exceptions.ConnectTimeout) and self.base_url.startswith("https:")):
                 self._wrong_scheme()
             raise TransientError(
                 f"cannot reach the orchestrator at {self.base_url}: {self._reason(exc)}", fix=FIX_UNREACHABLE
             ) from None
         except requests.exceptions.Timeout:
-            self._wrong_scheme()
+            if self.base_url.startswith("https:"):
+                self._wrong_scheme()
             raise TransientError(f"the orchestrator at {self.base_url} did not answer {method} {path} in time") from None
         except requests.exceptions.InvalidURL as exc:
             raise FatalError(f"invalid orchestrator URL {self.base_url!r}: {exc}") from None
@@ -250,8 +253,8 @@ class OrchestratorClient:
 
     def _wrong_scheme(self):
         """Raise FatalError if the orchestrator's port speaks the other scheme than its URL says (probed once)."""
-        if self._scheme_probed:
-            return
+        if self._scheme_probed or self.timeout == STOPPING_TIMEOUT:
+            return  # probed already, or the agent is leaving and must not wait on a probe
         self._scheme_probed = True
         parts = urlsplit(self.base_url)
         host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)

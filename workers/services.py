@@ -414,6 +414,12 @@ def presence_interval():
     return min(10.0, float(settings.SIMPLETUNER["HEARTBEAT_INTERVAL"]))
 
 
+def server_presence_end(*, process_id):
+    """Record that server process ``process_id`` has stopped: it no longer counts as up (so the sweeps hold
+    back while no server is), and the streams it served count as closed when a worker's next stream opens."""
+    ServerPresence.objects.filter(pk=process_id).update(last_seen=timezone.now() - PRESENCE_KEEP / 2)
+
+
 def server_presence_beat(*, process_id, hostname, pid, started_at, now=None):
     """Record that server process ``process_id`` is up now; forget processes silent for a week."""
     now = now or timezone.now()

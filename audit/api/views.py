@@ -1,6 +1,7 @@
 """Read-only audit log API for users with the audit view permission (audit.view_auditevent)."""
 
 import re
+from datetime import timezone as dt_timezone
 
 from django.utils.dateparse import parse_datetime
 from drf_spectacular.utils import OpenApiParameter, extend_schema
@@ -68,8 +69,10 @@ class AuditEventListView(ListAPIView):
                 if RFC3339.fullmatch(params[field]):
                     try:
                         moment = parse_datetime(params[field].upper())
-                    except ValueError:  # well formed, but no such date (2024-02-30)
-                        pass
+                        # In UTC: PostgreSQL refuses an offset past 15:59 that RFC 3339 allows (-17:58).
+                        moment = moment.astimezone(dt_timezone.utc) if moment is not None else None
+                    except (ValueError, OverflowError):  # no such date (2024-02-30), or past year 9999 in UTC
+                        moment = None
                 if moment is None:
                     raise InvalidInput(
                         f"{field} must be an RFC 3339 date-time, e.g. 2026-01-31T12:00:00Z", code="invalid_filter"

@@ -101,6 +101,14 @@ def test_filter_by_time_window(auditor_client):
     assert _ids(auditor_client, until="2024-02-01T00:00:00+00:00") == [jan.pk]
 
 
+def test_a_time_offset_postgresql_cannot_store_is_read_in_utc(auditor_client):
+    """RFC 3339 allows -17:58; PostgreSQL refuses offsets past 15:59 (found by schemathesis: a 500)."""
+    feb = AuditEventFactory(created_at=datetime(2024, 2, 15, tzinfo=timezone.utc))
+    assert _ids(auditor_client, since="2024-02-13T09:57:24.55-17:58", until="4623-01-08T09:57:24.55-17:58") == [feb.pk]
+    response = auditor_client.get("/api/audit/", {"until": "9999-12-31T23:59:59-17:58"})
+    assert (response.status_code, response.json()["code"]) == (400, "invalid_filter")
+
+
 @pytest.mark.parametrize("params", [{"success": "maybe"}, {"since": "yesterday"}, {"until": "2024-13-45"}])
 def test_bad_filter_is_400(auditor_client, params):
     response = auditor_client.get(AUDIT, params)

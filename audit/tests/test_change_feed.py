@@ -197,6 +197,10 @@ def test_the_overview_counts_workers_and_jobs_and_shows_recent_failures(admin_cl
         "workers-offline": 1,
         "jobs-queued": 3,
         "jobs-running": 2,
+        # one GPU each (the factory's): the two idle workers' are free, the two holding a job's busy
+        "gpus-total": 4,
+        "gpus-free": 2,
+        "gpus-busy": 2,
     }
     shown = re.findall(r"error number (\d)", text)
     assert shown == ["0", "1", "2", "3"]  # the five newest, newest first (with the escaped one)

@@ -196,3 +196,20 @@ def test_drain_of_a_never_connected_worker_marks_it_draining(commit):
     assert _reload(worker).status == WorkerStatus.DRAINING
     assert [r.action for r in audit_rows()] == [actions.WORKER_DRAIN_REQUESTED, actions.WORKER_STATUS_CHANGED]
     assert [e["type"] for e in sent_events(worker.pk)] == ["drain"]
+
+
+def test_a_stopped_server_counts_as_down_and_its_streams_as_closed(commit):
+    from workers.services import server_presence_beat, server_presence_end
+
+    now = timezone.now()
+    server_presence_beat(process_id="gone:1:aa", hostname="gone", pid=1, started_at=now)
+    server_presence_beat(process_id="up:2:bb", hostname="up", pid=2, started_at=now)
+    worker = WorkerFactory(stream_id="old", open_streams=[{"id": "old", "process": "gone:1:aa"}])
+
+    server_presence_end(process_id="gone:1:aa")
+    with commit():
+        worker_stream_opened(worker_id=worker.pk, stream_id="new", replaying=False)
+
+    assert [entry["id"] for entry in _reload(worker).open_streams] == ["new"]
+    worker_stream_closed(worker_id=worker.pk, stream_id="new")
+    assert _reload(worker).stream_id is None  # not the dead server's stream
