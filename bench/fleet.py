@@ -2,7 +2,7 @@
 
 One command measures every figure of issue 13, on each server in turn, and prints one table:
 
-    python bench/fleet.py --servers peer,sqlite,pg --json bench-fleet.json     # ~6-9 minutes here
+    python bench/fleet.py --servers peer,sqlite,pg --json bench-fleet.json     # ~10 minutes here
 
   peer    SimpleTuner's own orchestrator (../shared/peer; build it with its build.sh, PEER_VENV)
   sqlite  ours, `simpletuner server` on a fresh SQLite data dir, embedded mode
