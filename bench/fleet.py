@@ -26,6 +26,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import sys
 import time
 from pathlib import Path
@@ -241,8 +242,13 @@ def parse(argv=None):
     return a
 
 
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt  # asyncio.run cancels the run, whose finally blocks stop the servers it started
+
+
 def main(argv=None):
     a = parse(argv)
+    signal.signal(signal.SIGTERM, _interrupted)
     started = datetime.datetime.now(datetime.timezone.utc)
     results = asyncio.run(run(a))
     report = {
