@@ -2,7 +2,7 @@
 
 One command measures every figure of issue 13, on each server in turn, and prints one table:
 
-    python bench/fleet.py --servers peer,sqlite,pg --json bench-fleet.json     # ~6-9 minutes here
+    python bench/fleet.py --servers peer,sqlite,pg --json bench-fleet.json     # ~10 minutes here
 
   peer    SimpleTuner's own orchestrator (../shared/peer; build it with its build.sh, PEER_VENV)
   sqlite  ours, `simpletuner server` on a fresh SQLite data dir, embedded mode
@@ -26,6 +26,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import sys
 import time
 from pathlib import Path
@@ -241,8 +242,13 @@ def parse(argv=None):
     return a
 
 
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt  # asyncio.run cancels the run, whose finally blocks stop the servers it started
+
+
 def main(argv=None):
     a = parse(argv)
+    signal.signal(signal.SIGTERM, _interrupted)
     started = datetime.datetime.now(datetime.timezone.utc)
     results = asyncio.run(run(a))
     report = {
