@@ -7,7 +7,6 @@ a list. Each is refused (or, for pagination, clamped) and nothing is written.
 """
 
 import json
-import time
 
 import pytest
 
@@ -15,6 +14,7 @@ from common.errors import InvalidInput
 from job_queue.models import Job
 from job_queue.services import required_gpus
 from job_queue.tests.factories import JobFactory
+from workers.tests.factories import WorkerFactory
 from workers.tests.support import audit_rows
 
 pytestmark = pytest.mark.django_db
@@ -86,12 +86,15 @@ def test_label_selectors_are_bounded_in_count_syntax_and_length(operator_client,
     _refused(_submit_raw(operator_client, json.dumps({"config_name": "c", "worker_labels": selectors})), "worker_labels", "invalid_labels")
 
 
-def test_ten_thousand_globs_are_refused_at_once(operator_client):
-    started = time.monotonic()
+def test_ten_thousand_globs_are_refused_at_once(operator_client, monkeypatch):
+    """Refused on their count, before any glob is matched (10,000 globs cost 4.5 s of CPU to match)."""
+    matched = []
+    monkeypatch.setattr("job_queue.models.fnmatch.fnmatchcase", lambda *args: matched.append(args) or True)
+    WorkerFactory(labels={f"k{i}": "abc" for i in range(32)})
 
     _refused(operator_client.post(SUBMIT, {"config_name": "c", "worker_labels": {f"k{i}": "*a*b*c*" for i in range(10_000)}}), "worker_labels", "invalid_labels")
 
-    assert time.monotonic() - started < 1.0
+    assert matched == []
 
 
 def test_selectors_within_the_limits_are_accepted(operator_client):
