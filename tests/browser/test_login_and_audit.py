@@ -44,7 +44,9 @@ def test_anonymous_visitor_is_sent_to_the_login_page(page, path):
 
 
 def test_audit_log_is_browsable_and_read_only(logged_in_page, live_orchestrator):
-    # a worker.created row beside the api_token.created one the harness wrote
+    # a worker.created row beside an api_token.created one, both on the first page however many rows
+    # the tests before this one wrote on the shared orchestrator
+    live_orchestrator.manage("create_api_token", ADMIN_USERNAME, "--description", "audit-browse")
     created = live_orchestrator.admin("POST", "/api/admin/workers", json={"name": f"audit-{secrets.token_hex(4)}"})
     worker = expect_json(created, 201)
     page = logged_in_page
