@@ -118,6 +118,17 @@ def test_an_unknown_token_is_a_401():
     assert not Artifact.objects.exists()
 
 
+def test_unknown_upload_tokens_count_as_failed_authentications(settings):
+    settings.REST_FRAMEWORK = {**settings.REST_FRAMEWORK, "DEFAULT_THROTTLE_RATES": {"failed_auth": "2/min"}}
+    _, _, token = running_job()
+    answers = [put("stu_guess:" + str(n), "b/x", b"data").status_code for n in range(3)]
+    assert answers == [401, 401, 429]
+    assert put(token, "b/x", b"data").status_code == 201  # a live attempt's token is not a failure
+    (row,) = audit_rows(actions.AUTH_FAILED)  # the first refusal of the window, and the one past the rate
+    assert (row.details["kind"], row.details["token_prefix"], row.success) == ("upload", "stu_guess?", False)  # the display prefix: never the whole token
+    assert [r.details["kind"] for r in audit_rows(actions.AUTH_THROTTLED)] == ["upload"]
+
+
 def test_the_token_of_an_attempt_that_lost_the_job_is_a_409_and_the_next_attempt_has_its_own(commit):
     job, _, old_token = running_job()
     release(job)
