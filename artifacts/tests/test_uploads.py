@@ -181,6 +181,28 @@ def test_a_body_longer_than_it_said_is_cut_off_at_the_limit(settings, artifact_s
     assert not any(p.is_file() for p in artifact_storage_dir.rglob("*"))
 
 
+def test_the_reader_gives_whole_reads_and_a_short_body_is_refused(artifact_storage_dir):
+    import io
+
+    from artifacts.storage import HashingReader, IncompleteUpload, file_receive
+
+    class Trickle(io.RawIOBase):
+        """A request stream that returns at most 1000 bytes a read."""
+
+        def __init__(self, data):
+            self.data = data
+
+        def read(self, size=-1):
+            piece, self.data = self.data[: min(size, 1000)], self.data[min(size, 1000) :]
+            return piece
+
+    reader = HashingReader(Trickle(b"x" * 5000), limit=10_000)
+    assert [len(reader.read(3000)), len(reader.read(3000)), len(reader.read(3000))] == [3000, 2000, 0]
+    with pytest.raises(IncompleteUpload):
+        file_receive(job_id="j_x", key="b/k", stream=io.BytesIO(b"z" * 10), limit=100, expected_size=11)
+    assert not any(p.is_file() for p in artifact_storage_dir.rglob("*"))
+
+
 # --- checkpoints and resume ---------------------------------------------------------------------
 
 
