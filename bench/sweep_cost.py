@@ -2,6 +2,10 @@
 
 Usage:  python bench/sweep_cost.py [--workers 10000] [--runs 30] [--history 5] [--verbose] [--after-checkpoint]
 
+"loaded cpu" is this process's CPU time during a loaded run (time.process_time): on SQLite that is the
+sweep and the database engine together, and, unlike wall time, it barely moves when other work
+shares the machine; on PostgreSQL it leaves out the server's own work.
+
 Builds a realistic fleet in a throwaway database: SQLite in a temporary directory by default, or, when
 DATABASE_URL names a PostgreSQL server, a scratch database ``st_bench_<random>`` created on that server
 and dropped at the end (the database the URL names is only connected to, never written). The fleet:
@@ -352,7 +356,7 @@ def measure(db, sweep, *, now, runs, verbose=False):
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
-    loaded, empty, queries, results = [], [], {}, None
+    loaded, loaded_cpu, empty, queries, results = [], [], [], {}, None
     for index in range(runs + 1):
         name = db.copy(index)
         os.sync()  # the copy is on disk before anything is timed
@@ -372,9 +376,10 @@ def measure(db, sweep, *, now, runs, verbose=False):
                         print(f"    {float(query['time']) * 1000:6.1f} ms  {query['sql'][:120]}")
                 continue
             gc.collect()  # this script's own garbage (the fleet, the copies) is not the sweep's cost
-            started = time.perf_counter()
+            started, started_cpu = time.perf_counter(), time.process_time()
             sweep(now=now)
             loaded.append((time.perf_counter() - started) * 1000)
+            loaded_cpu.append((time.process_time() - started_cpu) * 1000)
             gc.collect()
             started = time.perf_counter()
             sweep(now=now)
@@ -382,7 +387,7 @@ def measure(db, sweep, *, now, runs, verbose=False):
         finally:
             connection.close()
             db.discard(name)
-    return {"loaded": loaded, "empty": empty, "queries": queries, "result": results}
+    return {"loaded": loaded, "loaded_cpu": loaded_cpu, "empty": empty, "queries": queries, "result": results}
 
 
 def main():
@@ -413,7 +418,7 @@ def main():
 
         now = timezone.now()
         build_fleet(db, workers=args.workers, history=args.history, now=now)
-        print(f"\n{'sweep':<34} {'loaded median':>13} {'p95':>7} {'queries':>7}   {'empty median':>12} {'p95':>7} {'queries':>7}   rows affected")
+        print(f"\n{'sweep':<34} {'loaded median':>13} {'p95':>7} {'queries':>7}   {'empty median':>12} {'p95':>7} {'queries':>7} {'loaded cpu':>10}   rows affected")
         for name, sweep in (
             ("queue.sweep_stale_workers", sweep_stale_workers),
             ("queue.sweep_unacknowledged_dispatches", sweep_unacknowledged_dispatches),
@@ -424,7 +429,7 @@ def main():
             print(
                 f"{name:<34} {statistics.median(m['loaded']):>10.1f} ms {percentile(m['loaded'], 0.95):>7.1f} "
                 f"{m['queries']['loaded']:>7}   {statistics.median(m['empty']):>9.1f} ms {percentile(m['empty'], 0.95):>7.1f} "
-                f"{m['queries']['empty']:>7}   {rows}",
+                f"{m['queries']['empty']:>7} {statistics.median(m['loaded_cpu']):>7.1f} ms   {rows}",
                 flush=True,
             )
             assert not any(m["queries"]["empty_result"].values()), m["queries"]["empty_result"]

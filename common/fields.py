@@ -5,31 +5,80 @@ they cannot be stored (``common.inputs``), a trainer's text and JSON are cleaned
 """
 
 from django.core.validators import ProhibitNullCharactersValidator
+from drf_spectacular.extensions import OpenApiSerializerFieldExtension
 from rest_framework import serializers
 from rest_framework.validators import ProhibitSurrogateCharactersValidator
 
-from .inputs import clean_text, clean_trainer_json, json_problem, json_size, limit
+from .inputs import (
+    LABEL_KEY_MAX_CHARS,
+    LABEL_KEY_RE,
+    LABEL_VALUE_MAX_CHARS,
+    LABEL_VALUE_RE,
+    NO_NUL_PATTERN,
+    clean_text,
+    clean_trainer_json,
+    json_problem,
+    json_size,
+    limit,
+)
+
+
+# What a client sends is taken as the JSON type the schema declares, never coerced from another: DRF's own
+# fields would take 0 for a name, "5" for a number and "yes" for a boolean, which the OpenAPI schema
+# (and so any generated client) says is an error.
 
 
 class BoundedText(serializers.CharField):
-    """A string of at most ``max_length`` characters; a NUL or an unpaired surrogate is refused (DRF's own checks)."""
+    """A JSON string of at most ``max_length`` characters; a NUL or an unpaired surrogate is refused (DRF's own checks)."""
+
+    default_error_messages = {"invalid": "Must be a string."}
 
     def __init__(self, *, max_length, **kwargs):
         super().__init__(max_length=max_length, **kwargs)
 
+    def to_internal_value(self, data):
+        if not isinstance(data, str):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
 
 class BoundedInt(serializers.IntegerField):
-    """An integer in ``[min_value, max_value]``: both bounds are required."""
+    """A JSON integer in ``[min_value, max_value]``: both bounds are required."""
+
+    default_error_messages = {"invalid": "Must be an integer."}
 
     def __init__(self, *, min_value, max_value, **kwargs):
         super().__init__(min_value=min_value, max_value=max_value, **kwargs)
+
+    def to_internal_value(self, data):
+        if isinstance(data, bool) or not isinstance(data, (int, float)) or (isinstance(data, float) and not data.is_integer()):
+            self.fail("invalid")
+        return super().to_internal_value(data)
 
 
 class BoundedFloat(serializers.FloatField):
-    """A finite number in ``[min_value, max_value]``: both bounds are required."""
+    """A finite JSON number in ``[min_value, max_value]``: both bounds are required."""
+
+    default_error_messages = {"invalid": "Must be a number."}
 
     def __init__(self, *, min_value, max_value, **kwargs):
         super().__init__(min_value=min_value, max_value=max_value, **kwargs)
+
+    def to_internal_value(self, data):
+        if isinstance(data, bool) or not isinstance(data, (int, float)):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class StrictBoolean(serializers.BooleanField):
+    """JSON ``true`` or ``false`` (DRF's own also takes 1, "yes", "on"...)."""
+
+    default_error_messages = {"invalid": "Must be true or false."}
+
+    def to_internal_value(self, data):
+        if not isinstance(data, bool):
+            self.fail("invalid")
+        return data
 
 
 class BoundedJSON(serializers.JSONField):
@@ -45,6 +94,11 @@ class BoundedJSON(serializers.JSONField):
         self.max_bytes = max_bytes
         super().__init__(**kwargs)
 
+    def openapi_schema(self):
+        """Return the OpenAPI schema of what this field accepts: its ``types``, with no NUL in any key or string."""
+        kinds = [_JSON_SCHEMAS[kind] for kind in dict.fromkeys(_JSON_KINDS[t] for t in self.types)]
+        return kinds[0] if len(kinds) == 1 else {"anyOf": kinds}
+
     def to_internal_value(self, data):
         problem = json_problem(data)  # before DRF's own check, which refuses NaN without saying where
         if problem:
@@ -59,6 +113,23 @@ class BoundedJSON(serializers.JSONField):
         if size > most:
             raise serializers.ValidationError(f"at most {most} bytes of JSON, got {size}")
         return data
+
+
+class Labels(BoundedJSON):
+    """A worker's labels or a job's label selectors (name -> value or glob): an object, checked by
+    ``common.inputs.clean_labels`` in the service (400 ``invalid_labels``) and declared to the schema by the same rules."""
+
+    def __init__(self, **kwargs):
+        super().__init__(types=(dict,), **kwargs)
+
+    def openapi_schema(self):
+        value = {"type": "string", "maxLength": LABEL_VALUE_MAX_CHARS, "pattern": LABEL_VALUE_RE.pattern}
+        return {
+            "type": "object",
+            "maxProperties": limit("MAX_LABELS"),
+            "propertyNames": {"maxLength": LABEL_KEY_MAX_CHARS, "pattern": LABEL_KEY_RE.pattern},
+            "additionalProperties": {"oneOf": [value, {"type": "number"}, {"type": "boolean"}]},
+        }
 
 
 class TrainerText(serializers.CharField):
@@ -101,6 +172,54 @@ class TrainerJSON(serializers.JSONField):
         return super().to_internal_value(clean_trainer_json(data))
 
 
+# JSON a client chooses, as the OpenAPI schema declares it: any value, but no NUL in a key or a string
+# (PostgreSQL cannot store one); the depth and size limits are checked, not declared.
+JSON_VALUE_REF = {"$ref": "#/components/schemas/JSONValue"}
+_JSON_KINDS = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
+_JSON_SCHEMAS = {
+    "object": {"type": "object", "propertyNames": {"pattern": NO_NUL_PATTERN}, "additionalProperties": JSON_VALUE_REF},
+    "array": {"type": "array", "items": JSON_VALUE_REF},
+    "string": {"type": "string", "pattern": NO_NUL_PATTERN},
+    "number": {"type": "number"},
+    "boolean": {"type": "boolean"},
+}
+
+
+def add_json_value_schema(result, generator, request, public):
+    """Postprocessing hook: the ``JSONValue`` component the BoundedJSON fields refer to (null included)."""
+    schemas = result.setdefault("components", {}).setdefault("schemas", {})
+    schemas["JSONValue"] = {"anyOf": [*_JSON_SCHEMAS.values(), {"type": "null"}]}
+    return result
+
+
 def _kinds(types):
     names = {dict: "an object", list: "a list", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
     return " or ".join(dict.fromkeys(names[t] for t in types))
+
+
+# --- what the OpenAPI schema says these fields accept ---------------------------------------------
+
+
+class BoundedTextSchema(OpenApiSerializerFieldExtension):
+    """Declare what DRF's own checks refuse in a BoundedText: a NUL (as a pattern, beside drf-spectacular's maxLength)."""
+
+    target_class = BoundedText
+    match_subclasses = True
+
+    def map_serializer_field(self, auto_schema, direction):
+        schema = auto_schema._map_serializer_field(self.target, direction, bypass_extensions=True)
+        # drf-spectacular makes the field nullable after this hook returns; the inner call did it already.
+        kinds = [kind for kind in schema.get("type", []) if kind != "null"] if isinstance(schema.get("type"), list) else None
+        if kinds:
+            schema["type"] = kinds[0] if len(kinds) == 1 else kinds
+        return {**schema, "pattern": NO_NUL_PATTERN}
+
+
+class BoundedJSONSchema(OpenApiSerializerFieldExtension):
+    """Tell drf-spectacular what a BoundedJSON accepts, instead of "any value"."""
+
+    target_class = BoundedJSON
+    match_subclasses = True
+
+    def map_serializer_field(self, auto_schema, direction):
+        return self.target.openapi_schema()

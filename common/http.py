@@ -1,15 +1,17 @@
 """API plumbing shared by every app: the error format (and its OpenAPI shape) and the client's address."""
 
+import re
+
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.http import JsonResponse
-from drf_spectacular.utils import OpenApiResponse
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse
 from rest_framework import exceptions, serializers, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
 from .errors import InvalidInput, ServiceError
-from .inputs import QUERY_PARAM_MAX_CHARS, text_problem
+from .inputs import NO_NUL_PATTERN, QUERY_PARAM_MAX_CHARS, text_problem
 
 API_PREFIX = "/api/"
 
@@ -70,6 +72,25 @@ def add_throttled_responses(result, generator, request, public):
     return result
 
 
+def any_value_is_nullable(result, generator, request, public):
+    """Postprocessing hook: drf-spectacular writes a nullable field of any JSON value as
+    ``oneOf: [{}, {type: null}]`` under OpenAPI 3.1, which no value satisfies (null matches both); "any
+    value" already includes null, so the ``oneOf`` goes."""
+
+    def walk(node):
+        if isinstance(node, dict):
+            if node.get("oneOf") in ([{}, {"type": "null"}], [{"type": "null"}, {}]):
+                del node["oneOf"]
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(result)
+    return result
+
+
 def error_body(code, detail, **extra):
     return {"code": code, "detail": detail, **extra}
 
@@ -79,16 +100,47 @@ def error_response(code, detail, status_code, **extra):
     return JsonResponse(error_body(code, detail, **extra), status=status_code)
 
 
-def query_param(request, name):
-    """Return the query parameter ``name`` (None when absent or empty); raise InvalidInput (``invalid_filter``)
-    when it is over QUERY_PARAM_MAX_CHARS or holds a NUL or an unpaired surrogate."""
+def query_param(request, name, *, typed=False):
+    """Return the query parameter ``name`` (None when absent, or empty unless ``typed``); raise InvalidInput
+    (``invalid_filter``) when it is over QUERY_PARAM_MAX_CHARS or holds a NUL or an unpaired surrogate, and,
+    for a ``typed`` one (a number, a boolean, a date-time), when it is present but empty."""
     value = request.query_params.get(name)
     if not value:
+        if typed and value is not None:
+            raise InvalidInput(f"{name} must not be empty", code="invalid_filter")
         return None
     problem = text_problem(value) or (f"is over {QUERY_PARAM_MAX_CHARS} characters" if len(value) > QUERY_PARAM_MAX_CHARS else None)
     if problem:
         raise InvalidInput(f"{name} {problem}", code="invalid_filter")
     return value
+
+
+def query_parameter(name, description="", *, pattern=NO_NUL_PATTERN, format=None):
+    """Return the OpenAPI declaration of a text query parameter, bounded as ``query_param`` reads it."""
+    schema = {"type": "string", "maxLength": QUERY_PARAM_MAX_CHARS, "pattern": pattern}
+    if format:
+        schema = {"type": "string", "format": format}
+    return OpenApiParameter(name, schema, description=description)
+
+
+def status_filter_parameter(choices):
+    """Return the OpenAPI ``?status=`` parameter: a comma-separated list of ``choices`` (empty: no filter)."""
+    one = "|".join(re.escape(value) for value in choices)
+    return query_parameter(
+        "status", f"Comma-separated statuses to keep ({', '.join(choices)}).", pattern=f"^(({one})(,({one}))*)?$"
+    )
+
+
+def status_filter(request, choices):
+    """Return the statuses named by ``?status=`` (None when absent); raise InvalidInput on one not in ``choices``."""
+    wanted = query_param(request, "status")
+    if not wanted:
+        return None
+    statuses = wanted.split(",")
+    unknown = set(statuses) - set(choices)
+    if unknown:
+        raise InvalidInput(f"unknown status {', '.join(sorted(unknown))}", code="invalid_filter")
+    return statuses
 
 
 def exception_handler(exc, context):

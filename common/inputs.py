@@ -22,6 +22,8 @@ GPU_VRAM_GB_MAX = 100_000.0
 LABEL_KEY_MAX_CHARS = 63
 LABEL_VALUE_MAX_CHARS = 200  # a worker's label value, and a job's glob pattern for it
 LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-/]*$")
+NO_NUL_PATTERN = r"^[^\x00]*$"  # the OpenAPI pattern of text that may hold anything but a NUL
+LABEL_VALUE_RE = re.compile(r"^[ -~]*$")  # printable ASCII, space included: what the OpenAPI schema declares too
 PAGE_SIZE_MAX = 1000  # ?limit= above this is clamped
 PAGE_OFFSET_MAX = 2**31 - 1  # ?offset= above this is clamped (past the end: an empty page)
 QUERY_PARAM_MAX_CHARS = 200
@@ -166,7 +168,7 @@ def clean_labels(labels, *, what="label"):
     as strings; raise ValueError saying why they are refused.
 
     At most MAX_LABELS entries; a key is 1-63 letters, digits, ``_ . - /`` (starting with a letter,
-    digit or ``_``); a value (a glob, for a selector) is at most 200 printable characters.
+    digit or ``_``); a value (a glob, for a selector) is at most 200 printable ASCII characters.
     """
     if labels is None:
         return {}
@@ -177,7 +179,7 @@ def clean_labels(labels, *, what="label"):
         raise ValueError(f"at most {most} {what}s, got {len(labels)}")
     cleaned = {}
     for key, value in labels.items():
-        if not isinstance(key, str) or not key or len(key) > LABEL_KEY_MAX_CHARS or not LABEL_KEY_RE.match(key):
+        if not isinstance(key, str) or not key or len(key) > LABEL_KEY_MAX_CHARS or not LABEL_KEY_RE.fullmatch(key):
             raise ValueError(
                 f"{what} name {_printable(str(key))[:80]!r} must be 1-{LABEL_KEY_MAX_CHARS} letters, digits or _ . - / "
                 "(starting with a letter, digit or _)"
@@ -190,7 +192,7 @@ def clean_labels(labels, *, what="label"):
             raise ValueError(f"{what} {key!r} must be a string")
         if len(value) > LABEL_VALUE_MAX_CHARS:
             raise ValueError(f"{what} {key!r} must be at most {LABEL_VALUE_MAX_CHARS} characters, got {len(value)}")
-        if value and not value.isprintable():
-            raise ValueError(f"{what} {key!r} must hold printable characters only (no control characters, NUL or newline)")
+        if not LABEL_VALUE_RE.fullmatch(value):
+            raise ValueError(f"{what} {key!r} must hold printable ASCII characters only (no control characters, NUL or newline)")
         cleaned[key] = value
     return cleaned

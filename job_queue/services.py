@@ -1,7 +1,6 @@
 """Operators' writes to jobs: submit, cancel, retry. Each is one transaction with its audit rows."""
 
 from django.conf import settings
-from django.db import transaction
 from django.utils import timezone
 
 from audit import actions

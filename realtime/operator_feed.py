@@ -132,7 +132,9 @@ def _follower(request):
 async def operator_changes_stream(request):
     """Stream ``changes`` events naming the workers and jobs that changed (401 signed out, 403 not allowed)."""
     if request.method != "GET":
-        return error_response("method_not_allowed", "use GET", 405)
+        response = error_response("method_not_allowed", "use GET", 405)
+        response["Allow"] = "GET"
+        return response
     user_id, refusal = await _follower(request)
     if refusal:
         return error_response(*refusal)

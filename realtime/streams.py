@@ -95,7 +95,9 @@ def requested_resume(request):
 async def worker_stream(request):
     """GET protocol.STREAM_PATH: the calling worker's dispatch feed (401 without its valid token)."""
     if request.method != "GET":
-        return error_response("method_not_allowed", "use GET", 405)
+        response = error_response("method_not_allowed", "use GET", 405)
+        response["Allow"] = "GET"
+        return response
     secret = request.headers.get(protocol.WORKER_TOKEN_HEADER) or ""
     try:
         resume = requested_resume(request) if secret else {}  # without a token: refused (and counted) first

@@ -332,6 +332,8 @@ SPECTACULAR_SETTINGS = {
         '`{"code": "...", "detail": "..."}` (plus `errors` for field validation).'
     ),
     "VERSION": "1.0.0",
+    # 3.1: JSON Schema 2020-12, so label names can be declared (propertyNames) as the server checks them.
+    "OAS_VERSION": "3.1.0",
     "SERVE_INCLUDE_SCHEMA": False,
     "SERVE_PERMISSIONS": ["rest_framework.permissions.IsAuthenticated"],
     "SCHEMA_PATH_PREFIX": r"/api/",
@@ -350,6 +352,8 @@ SPECTACULAR_SETTINGS = {
         "drf_spectacular.hooks.postprocess_schema_enums",
         "workers.api.schema.add_worker_stream_path",
         "common.http.add_throttled_responses",
+        "common.http.any_value_is_nullable",
+        "common.fields.add_json_value_schema",
     ],
 }
 APPEND_SLASH = False

@@ -5,6 +5,8 @@ from django.db import models
 
 NAME_MAX_CHARS = 200
 VERSION_SEPARATOR = "@"  # config_name@version at submit
+# A stored config's name: no '@' (it separates the version), no '/' (it is a path segment), no control character.
+NAME_PATTERN = r"^[^@/\s\x00-\x1f\x7f-\x9f](?:[^@/\x00-\x1f\x7f-\x9f]*[^@/\s\x00-\x1f\x7f-\x9f])?$"
 
 
 class TrainingConfig(models.Model):

@@ -1,6 +1,8 @@
 """Every write to stored configs: a new version, an edit (a new version once used), marking a version used,
 and resolving the config a submitted job runs."""
 
+import re
+
 from django.conf import settings
 from django.db import IntegrityError
 from django.db.models import Max
@@ -10,18 +12,15 @@ from audit import actions
 from audit.services import audit_record, audited_atomic
 from common.errors import InvalidInput
 
-from .models import NAME_MAX_CHARS, VERSION_SEPARATOR, TrainingConfig
+from .models import NAME_MAX_CHARS, NAME_PATTERN, TrainingConfig
 from .selectors import config_names, config_resolve
 
 
 def check_name(name):
-    """Raise InvalidInput unless ``name`` can name a stored config."""
-    if (
-        not name or len(name) > NAME_MAX_CHARS or VERSION_SEPARATOR in name or "/" in name
-        or not name.isprintable() or name != name.strip()
-    ):  # fmt: skip
+    """Raise InvalidInput unless ``name`` can name a stored config (``NAME_PATTERN``, at most NAME_MAX_CHARS)."""
+    if not name or len(name) > NAME_MAX_CHARS or not re.match(NAME_PATTERN, name) or name != name.strip():
         raise InvalidInput(
-            f"a config name is 1-{NAME_MAX_CHARS} printable characters without '@', '/' or surrounding spaces",
+            f"a config name is 1-{NAME_MAX_CHARS} characters without '@', '/', control characters or surrounding spaces",
             code="invalid_config_name",
         )
 

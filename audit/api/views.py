@@ -1,11 +1,13 @@
 """Read-only audit log API for users with the audit view permission (audit.view_auditevent)."""
 
+import re
+
 from django.utils.dateparse import parse_datetime
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers
 from rest_framework.generics import ListAPIView
 
-from common.http import error_responses, query_param
+from common.http import error_responses, query_param, query_parameter
 from common.errors import InvalidInput
 
 from ..models import AuditEvent
@@ -13,6 +15,9 @@ from ..permissions import VIEW_AUDIT
 
 
 FILTERS = ("action", "actor_type", "actor_id", "target_type", "target_id", "success", "since", "until")
+# The OpenAPI "date-time" format: a date, a time and an offset, nothing left out.
+RFC3339 = re.compile(r"\d{4}-\d\d-\d\d[Tt]\d\d:\d\d:\d\d(\.\d+)?([Zz]|[+-]\d\d:\d\d)")
+TYPED_FILTERS = {"success", "since", "until"}  # present but empty: a 400, not "no filter"
 
 
 class AuditEventSerializer(serializers.ModelSerializer):
@@ -28,11 +33,11 @@ class AuditEventSerializer(serializers.ModelSerializer):
     tags=["audit"],
     summary="List audit events, newest first",
     parameters=[
-        OpenApiParameter("action", str, description="Exact action, or a prefix ending in '.' (e.g. `job.`)."),
-        *(OpenApiParameter(name, str) for name in ("actor_type", "actor_id", "target_type", "target_id")),
+        query_parameter("action", "Exact action, or a prefix ending in '.' (e.g. `job.`)."),
+        *(query_parameter(name) for name in ("actor_type", "actor_id", "target_type", "target_id")),
         OpenApiParameter("success", bool),
-        OpenApiParameter("since", str, description="ISO 8601 date-time (inclusive)."),
-        OpenApiParameter("until", str, description="ISO 8601 date-time (exclusive)."),
+        query_parameter("since", "ISO 8601 date-time (inclusive).", format="date-time"),
+        query_parameter("until", "ISO 8601 date-time (exclusive).", format="date-time"),
     ],
     responses={200: AuditEventSerializer(many=True), **error_responses(400, 401, 403)},
 )
@@ -44,7 +49,7 @@ class AuditEventListView(ListAPIView):
     operator_permissions = {"GET": VIEW_AUDIT}
 
     def get_queryset(self):
-        params = {name: query_param(self.request, name) for name in FILTERS}
+        params = {name: query_param(self.request, name, typed=name in TYPED_FILTERS) for name in FILTERS}
         events = AuditEvent.objects.all()
         action = params["action"]
         if action:
@@ -53,17 +58,21 @@ class AuditEventListView(ListAPIView):
             if params[field]:
                 events = events.filter(**{field: params[field]})
         if params["success"] is not None:
-            value = params["success"].lower()
+            value = params["success"]
             if value not in {"true", "false"}:
                 raise InvalidInput("success must be true or false", code="invalid_filter")
             events = events.filter(success=value == "true")
         for field, lookup in (("since", "created_at__gte"), ("until", "created_at__lt")):
             if params[field]:
-                try:
-                    moment = parse_datetime(params[field])
-                except ValueError:  # well formed, but no such date (2024-02-30)
-                    moment = None
+                moment = None
+                if RFC3339.fullmatch(params[field]):
+                    try:
+                        moment = parse_datetime(params[field].upper())
+                    except ValueError:  # well formed, but no such date (2024-02-30)
+                        pass
                 if moment is None:
-                    raise InvalidInput(f"{field} must be an ISO 8601 date-time", code="invalid_filter")
+                    raise InvalidInput(
+                        f"{field} must be an RFC 3339 date-time, e.g. 2026-01-31T12:00:00Z", code="invalid_filter"
+                    )
                 events = events.filter(**{lookup: moment})
         return events

@@ -1,13 +1,13 @@
 """The worker protocol's endpoints (``worker_agent.protocol``), authenticated by the worker's own token."""
 
 from django.conf import settings
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import extend_schema
 from rest_framework import exceptions
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from audit.services import Actor
-from common.http import error_responses
+from common.http import error_responses, query_parameter
 from common.remote import client_ip
 from worker_agent import protocol
 from workers import services as worker_services
@@ -26,9 +26,7 @@ from workers.authentication import IsWorker, WorkerTokenAuthentication
 
 from .. import agents, reports
 
-WORKER_ID_QUERY = OpenApiParameter(
-    "worker_id", str, description="Optional; must be the token's own worker (403 otherwise)."
-)
+WORKER_ID_QUERY = query_parameter("worker_id", "Optional; must be the token's own worker (403 otherwise).")
 
 
 class WorkerAPIView(APIView):

@@ -5,7 +5,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from artifacts.selectors import artifacts_for_job, attempt_steps
-from common.fields import BoundedInt, BoundedJSON, BoundedText
+from common.fields import BoundedInt, BoundedJSON, BoundedText, Labels, StrictBoolean
 from common.inputs import GPU_COUNT_MAX
 
 from ..models import Job, JobAttempt, JobTarget
@@ -17,13 +17,11 @@ class JobSubmitSerializer(serializers.Serializer):
     config = BoundedJSON(types=(dict,), required=False, default=dict)
     dataloader = BoundedJSON(types=(dict, list), required=False, allow_null=True, default=None)
     target = serializers.ChoiceField(choices=JobTarget.choices, default=JobTarget.WORKER)
-    worker_labels = BoundedJSON(
-        types=(dict,), required=False, default=dict, help_text="Label name -> glob; the rules: README, Limits."
-    )
+    worker_labels = Labels(required=False, default=dict, help_text="Label name -> glob; the rules: README, Limits.")
     gpu_count = BoundedInt(required=False, allow_null=True, min_value=0, max_value=GPU_COUNT_MAX, default=None)
     priority = BoundedInt(required=False, default=0, min_value=-1000, max_value=1000)
     max_retries = BoundedInt(required=False, allow_null=True, min_value=0, max_value=100, default=None)
-    retry_on_failure = serializers.BooleanField(required=False, default=False)
+    retry_on_failure = StrictBoolean(required=False, default=False)
 
 
 class JobAttemptSerializer(serializers.ModelSerializer):

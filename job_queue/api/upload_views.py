@@ -40,6 +40,8 @@ class UploadTokenView(APIView):
         """Refuse a caller without a live attempt's token, whatever the method: 401, or 429 once its address
         is past the failed-authentication rate (a refused token is counted and audited like any other)."""
         super().initial(request, *args, **kwargs)
+        if request.method not in ("HEAD", "OPTIONS") and not hasattr(self, request.method.lower()):
+            return  # a method the endpoint does not serve: 405, whoever asks
         token = _token(request)
         try:
             uploads.attempt_for_token(token)

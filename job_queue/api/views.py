@@ -1,14 +1,14 @@
 """Queue endpoints for operators: submit, list, inspect, cancel, retry."""
 
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import extend_schema
 from rest_framework import status
 from rest_framework.generics import ListAPIView
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from audit.services import Actor
-from common.http import error_responses, query_param
-from common.errors import InvalidInput, NotFound
+from common.http import error_responses, query_param, query_parameter, status_filter, status_filter_parameter
+from common.errors import NotFound
 
 from .. import permissions, services
 from ..models import Job, JobStatus
@@ -42,10 +42,8 @@ def _submitted(job, dispatched):
     tags=["queue"],
     summary="List jobs, newest first",
     parameters=[
-        OpenApiParameter(
-            "status", str, description=f"Comma-separated statuses to keep ({', '.join(JobStatus.values)})."
-        ),
-        OpenApiParameter("worker", str, description="Only jobs assigned to this worker id."),
+        status_filter_parameter(JobStatus.values),
+        query_parameter("worker", "Only jobs assigned to this worker id."),
     ],
     responses={200: JobSerializer(many=True), **error_responses(400, 401, 403)},
 )
@@ -56,12 +54,8 @@ class JobListView(ListAPIView):
 
     def get_queryset(self):
         jobs = Job.objects.select_related("submitted_by", "training_config")
-        wanted = query_param(self.request, "status")
-        if wanted:
-            statuses = wanted.split(",")
-            unknown = set(statuses) - set(JobStatus.values)
-            if unknown:
-                raise InvalidInput(f"unknown status {', '.join(sorted(unknown))}", code="invalid_filter")
+        statuses = status_filter(self.request, JobStatus.values)
+        if statuses:
             jobs = jobs.filter(status__in=statuses)
         worker = query_param(self.request, "worker")
         if worker:

@@ -144,7 +144,7 @@ def test_num_processes_at_the_cap_is_accepted(operator_client):
     [
         (f"limit={2**63}", 3),
         (f"limit={10**30}", 3),
-        (f"limit={'9' * 5000}", 3),  # past Python's digit limit: the default page
+        (f"limit={'9' * 5000}", 3),  # past Python's digit limit: still clamped to the page cap
         (f"offset={2**63}", 0),
         (f"limit={2**63}&offset={2**63}", 0),
         ("limit=2&offset=1", 2),

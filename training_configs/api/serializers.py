@@ -4,11 +4,11 @@ from rest_framework import serializers
 
 from common.fields import BoundedJSON, BoundedText
 
-from ..models import NAME_MAX_CHARS, TrainingConfig
+from ..models import NAME_MAX_CHARS, NAME_PATTERN, TrainingConfig
 
 
 class ConfigCreateSerializer(serializers.Serializer):
-    name = BoundedText(max_length=NAME_MAX_CHARS)
+    name = serializers.RegexField(NAME_PATTERN, max_length=NAME_MAX_CHARS, trim_whitespace=False)
     config = BoundedJSON(types=(dict,))
     dataloader = BoundedJSON(types=(dict, list), required=False, allow_null=True, default=None)
     description = BoundedText(max_length=10_000, required=False, allow_blank=True, default="")

@@ -4,6 +4,8 @@ from drf_spectacular.extensions import OpenApiAuthenticationExtension
 
 from worker_agent import protocol
 ERROR_REF = {"$ref": "#/components/schemas/Error"}
+# What the stream accepts as a resume point: ``channel:id`` pairs, comma-separated (anything else is a 400).
+LAST_EVENT_ID_PATTERN = r"^[^,:]*:[^,:]*(,[^,:]*:[^,:]*)*$"
 
 
 class BearerTokenScheme(OpenApiAuthenticationExtension):
@@ -57,13 +59,13 @@ def add_worker_stream_path(result, generator, request, public):
                 {
                     "in": "query",
                     "name": "lastEventId",
-                    "schema": {"type": "string"},
+                    "schema": {"type": "string", "pattern": LAST_EVENT_ID_PATTERN},
                     "description": "Same as the Last-Event-ID header, for clients that cannot set headers.",
                 },
                 {
                     "in": "header",
                     "name": "Last-Event-ID",
-                    "schema": {"type": "string"},
+                    "schema": {"type": "string", "pattern": LAST_EVENT_ID_PATTERN},
                     "description": "Resume after this event id.",
                 },
             ],

@@ -2,7 +2,17 @@
 
 from rest_framework import serializers
 
-from common.fields import BoundedFloat, BoundedInt, BoundedJSON, BoundedText, TrainerJSON, TrainerLog, TrainerText
+from common.fields import (
+    BoundedFloat,
+    BoundedInt,
+    BoundedJSON,
+    BoundedText,
+    Labels,
+    StrictBoolean,
+    TrainerJSON,
+    TrainerLog,
+    TrainerText,
+)
 from common.inputs import GPU_COUNT_MAX, GPU_VRAM_GB_MAX, LOG_TAIL_MAX_CHARS, TRAINER_ERROR_MAX_CHARS
 from worker_agent import protocol
 
@@ -55,7 +65,7 @@ class WorkerCreateSerializer(serializers.Serializer):
     worker_type = serializers.ChoiceField(
         choices=[WorkerType.EPHEMERAL, WorkerType.PERSISTENT], default=WorkerType.PERSISTENT
     )
-    labels = BoundedJSON(required=False, types=(dict,), help_text="Name -> value; the rules: README, Limits.")
+    labels = Labels(required=False, help_text="Name -> value; the rules: README, Limits.")
 
 
 class WorkerCreatedSerializer(WorkerSerializer):
@@ -83,7 +93,7 @@ class RegisterSerializer(serializers.Serializer):
     gpu_name = BoundedText(required=False, allow_null=True, allow_blank=True, max_length=200)
     gpu_vram_gb = BoundedFloat(required=False, allow_null=True, min_value=0, max_value=GPU_VRAM_GB_MAX)
     accelerator_type = BoundedText(required=False, allow_null=True, allow_blank=True, max_length=32)
-    persistent = serializers.BooleanField(required=False, allow_null=True)
+    persistent = StrictBoolean(required=False, allow_null=True)
     current_job_id = BoundedText(required=False, allow_null=True, allow_blank=True, max_length=ID_MAX_CHARS)
     current_attempt = BoundedText(required=False, allow_null=True, allow_blank=True, max_length=ID_MAX_CHARS)
     hostname = BoundedText(required=False, allow_blank=True, max_length=255)
@@ -131,7 +141,7 @@ class JobStatusReportSerializer(serializers.Serializer):
         help_text="The trainer's exit status: a shell's (128+N for signal N), or a Windows one such as 0xC0000005.",
     )
     log_tail = TrainerLog(required=False, allow_null=True, max_length=LOG_TAIL_MAX_CHARS)
-    journal = serializers.BooleanField(
+    journal = StrictBoolean(
         required=False, default=False, help_text="The outcome was read back from the agent's journal after it restarted."
     )
 

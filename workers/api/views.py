@@ -1,13 +1,13 @@
 """The operators' worker administration endpoints (the agents' own are ``job_queue.api.agent_views``)."""
 
-from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from audit.services import Actor
-from common.http import error_responses, query_param
-from common.errors import InvalidInput, NotFound
+from common.http import error_responses, status_filter, status_filter_parameter
+from common.errors import NotFound
 
 from .. import permissions, services
 from ..models import Worker, WorkerStatus
@@ -19,9 +19,7 @@ from .serializers import (
     WorkerTokenSerializer,
 )
 
-STATUS_FILTER = OpenApiParameter(
-    "status", str, description=f"Comma-separated statuses to keep ({', '.join(WorkerStatus.values)})."
-)
+STATUS_FILTER = status_filter_parameter(WorkerStatus.values)
 
 
 # --- administration -----------------------------------------------------------------------------
@@ -54,12 +52,8 @@ class AdminWorkerListView(AdminWorkerAPIView):
     )
     def get(self, request):
         workers = Worker.objects.all()
-        wanted = query_param(request, "status")
-        if wanted:
-            statuses = wanted.split(",")
-            unknown = set(statuses) - set(WorkerStatus.values)
-            if unknown:
-                raise InvalidInput(f"unknown status {', '.join(sorted(unknown))}", code="invalid_filter")
+        statuses = status_filter(request, WorkerStatus.values)
+        if statuses:
             workers = workers.filter(status__in=statuses)
         return Response({"workers": WorkerSerializer(workers, many=True).data})
 
