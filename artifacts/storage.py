@@ -17,6 +17,10 @@ STORAGE_ALIAS = "artifacts"
 CHUNK_BYTES = 1024 * 1024
 
 
+class IncompleteUpload(Exception):
+    """The storage stopped reading before the body ended, or the body ended before its Content-Length."""
+
+
 class UploadTooLarge(Exception):
     """The body passed the limit it was given; nothing of it is kept."""
 
@@ -51,14 +55,22 @@ class HashingReader(io.RawIOBase):
         return True
 
     def read(self, size=-1):
-        if size is None or size < 0 or size > CHUNK_BYTES:
+        """Return the next ``size`` bytes (fewer only at the end, as a file does: S3 uploads rely on it);
+        ``size`` -1 reads one chunk, never the whole body."""
+        if size is None or size < 0:
             size = CHUNK_BYTES
-        data = self._source.read(size) or b""
-        self.size += len(data)
-        if self.size > self._limit:
-            raise UploadTooLarge(self._limit)
-        self.digest.update(data)
-        return data
+        parts, got = [], 0
+        while got < size:
+            data = self._source.read(min(size - got, CHUNK_BYTES)) or b""
+            if not data:
+                break
+            self.size += len(data)
+            if self.size > self._limit:
+                raise UploadTooLarge(self._limit)
+            self.digest.update(data)
+            parts.append(data)
+            got += len(data)
+        return b"".join(parts)
 
     def readinto(self, buffer):
         data = self.read(len(buffer))
@@ -72,16 +84,21 @@ def storage_name(job_id, key):
     return f"outputs/{job_id}/{secrets.token_hex(6)}/{key}"
 
 
-def file_receive(*, job_id, key, stream, limit):
+def file_receive(*, job_id, key, stream, limit, expected_size=None):
     """Stream ``stream`` into the artifact storage as ``key`` of ``job_id``; return the StoredFile.
 
-    Raise UploadTooLarge (after removing what was written) once more than ``limit`` bytes arrive.
+    Raise UploadTooLarge once more than ``limit`` bytes arrive, IncompleteUpload when the storage did
+    not read the body to its end or the body is not ``expected_size`` bytes; nothing is kept then.
     """
     storage = artifact_storage()
     reader = HashingReader(stream, limit)
     wanted = storage_name(job_id, key)
     try:
         name = storage.save(wanted, File(reader, name=key.rsplit("/", 1)[-1]))
+        if reader.read(1):  # whatever the backend did, what it stored must be the whole body
+            raise IncompleteUpload(f"the storage stopped reading after {reader.size - 1} bytes")
+        if expected_size is not None and reader.size != expected_size:
+            raise IncompleteUpload(f"the body was {reader.size} bytes, not the {expected_size} its Content-Length said")
     except BaseException:
         file_delete(wanted)
         raise

@@ -3,7 +3,7 @@ fenced by the attempt's upload token like a status report (valid only while that
 
 from artifacts import keys, services as artifact_services, tokens
 from artifacts.models import Artifact
-from artifacts.storage import UploadTooLarge, file_delete, file_receive
+from artifacts.storage import IncompleteUpload, UploadTooLarge, file_delete, file_receive
 from audit.models import ActorType
 from audit.services import Actor, audited_atomic
 from common.errors import InvalidInput, NotAuthenticated, NotFound, StaleReport, TooLarge
@@ -51,13 +51,16 @@ def attempt_upload(*, token, bucket, key, stream, declared_length, ip=None):
     return ``(artifact, created)``.
 
     Raise NotAuthenticated (401), StaleReport (409: the attempt no longer holds the job, before or
-    after the body arrived; nothing is kept then), InvalidInput (400 ``invalid_key``) or TooLarge (413).
+    after the body arrived; nothing is kept then), InvalidInput (400 ``invalid_key``, or
+    ``incomplete_upload`` for a body shorter than its Content-Length) or TooLarge (413).
     """
     attempt, full_key = _fenced_key(token, bucket, key)
     job_id = attempt.job_id
     limit = artifact_services.upload_limit(job_id=job_id, key=full_key, declared=declared_length)
     try:
-        stored = file_receive(job_id=job_id, key=full_key, stream=stream, limit=limit)
+        stored = file_receive(job_id=job_id, key=full_key, stream=stream, limit=limit, expected_size=declared_length)
+    except IncompleteUpload as exc:
+        raise InvalidInput(f"nothing stored: {exc}", code="incomplete_upload") from None
     except UploadTooLarge as exc:
         raise TooLarge(
             f"the upload passed its limit of {exc.limit} bytes (the artifact size limit or the job's quota)",

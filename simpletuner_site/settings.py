@@ -401,9 +401,15 @@ def _artifact_storage():
     endpoint = os.environ.get("SIMPLETUNER_ARTIFACT_S3_ENDPOINT_URL", "").strip() or None
     if endpoint and urlparse(endpoint).scheme not in ("http", "https"):
         raise ImproperlyConfigured(f"SIMPLETUNER_ARTIFACT_S3_ENDPOINT_URL must be an http(s):// URL, got {endpoint!r}")
+    from boto3.s3.transfer import TransferConfig
+
+    # An upload is streamed: a few parts of 8 MiB in memory at once, whatever its size.
+    transfer = TransferConfig(multipart_chunksize=8 * 1024 * 1024, max_concurrency=2)
+    transfer.max_in_memory_upload_chunks = 2
     return {
         "BACKEND": "storages.backends.s3.S3Storage",
         "OPTIONS": {
+            "transfer_config": transfer,
             "bucket_name": bucket,
             "endpoint_url": endpoint,
             "region_name": os.environ.get("SIMPLETUNER_ARTIFACT_S3_REGION", "").strip() or None,

@@ -33,7 +33,8 @@ from .services import auth_failure_audit
 logger = logging.getLogger(__name__)
 
 SCOPE = "failed_auth"
-KINDS = {TokenKind.WORKER: "worker", TokenKind.API: "operator"}
+UPLOAD_TOKEN = "upload"  # an attempt's upload token (job_queue.api.upload_views): not a Token row, counted alike
+KINDS = {TokenKind.WORKER: "worker", TokenKind.API: "operator", UPLOAD_TOKEN: "upload"}
 
 # Where the counters go while the shared cache (Redis) cannot be reached: this process's memory, for
 # RETRY_SHARED_AFTER_S before the shared cache is tried again.

@@ -68,6 +68,21 @@ def test_an_upload_lands_in_the_bucket_under_the_jobs_namespace(s3):
     assert hashlib.sha256(stored).hexdigest() == artifact.sha256
 
 
+def test_a_multipart_upload_is_stored_whole(s3):
+    """Past boto3's multipart threshold (8 MiB) the body is read in parts of exactly the size asked for: a
+    reader returning less would end the object early (this stored 2 MiB of 256 before the fix)."""
+    job, _, token = running_job()
+    body = bytes(range(256)) * (20 * 4096)  # 20 MiB
+
+    response = put(token, "b/big.bin", body)
+
+    assert response.status_code == 201 and response.json()["size"] == len(body)
+    artifact = Artifact.objects.get(job_id=job.pk)
+    assert objects(s3) == {artifact.storage_name: len(body)}
+    stored = s3.get_object(Bucket=BUCKET, Key=artifact.storage_name)["Body"].read()
+    assert hashlib.sha256(stored).hexdigest() == artifact.sha256 == hashlib.sha256(body).hexdigest()
+
+
 def test_replace_download_and_refusals_on_s3(s3, bearer_client, commit, settings):
     job, _, token = running_job()
     with commit():

@@ -118,6 +118,17 @@ def test_an_unknown_token_is_a_401():
     assert not Artifact.objects.exists()
 
 
+def test_unknown_upload_tokens_count_as_failed_authentications(settings):
+    settings.REST_FRAMEWORK = {**settings.REST_FRAMEWORK, "DEFAULT_THROTTLE_RATES": {"failed_auth": "2/min"}}
+    _, _, token = running_job()
+    answers = [put("stu_guess:" + str(n), "b/x", b"data").status_code for n in range(3)]
+    assert answers == [401, 401, 429]
+    assert put(token, "b/x", b"data").status_code == 201  # a live attempt's token is not a failure
+    (row,) = audit_rows(actions.AUTH_FAILED)  # the first refusal of the window, and the one past the rate
+    assert (row.details["kind"], row.details["token_prefix"], row.success) == ("upload", "stu_guess?", False)  # the display prefix: never the whole token
+    assert [r.details["kind"] for r in audit_rows(actions.AUTH_THROTTLED)] == ["upload"]
+
+
 def test_the_token_of_an_attempt_that_lost_the_job_is_a_409_and_the_next_attempt_has_its_own(commit):
     job, _, old_token = running_job()
     release(job)
@@ -167,6 +178,28 @@ def test_a_body_longer_than_it_said_is_cut_off_at_the_limit(settings, artifact_s
 
     with pytest.raises(UploadTooLarge):
         file_receive(job_id="j_x", key="b/k", stream=io.BytesIO(b"z" * 5000), limit=4096)
+    assert not any(p.is_file() for p in artifact_storage_dir.rglob("*"))
+
+
+def test_the_reader_gives_whole_reads_and_a_short_body_is_refused(artifact_storage_dir):
+    import io
+
+    from artifacts.storage import HashingReader, IncompleteUpload, file_receive
+
+    class Trickle(io.RawIOBase):
+        """A request stream that returns at most 1000 bytes a read."""
+
+        def __init__(self, data):
+            self.data = data
+
+        def read(self, size=-1):
+            piece, self.data = self.data[: min(size, 1000)], self.data[min(size, 1000) :]
+            return piece
+
+    reader = HashingReader(Trickle(b"x" * 5000), limit=10_000)
+    assert [len(reader.read(3000)), len(reader.read(3000)), len(reader.read(3000))] == [3000, 2000, 0]
+    with pytest.raises(IncompleteUpload):
+        file_receive(job_id="j_x", key="b/k", stream=io.BytesIO(b"z" * 10), limit=100, expected_size=11)
     assert not any(p.is_file() for p in artifact_storage_dir.rglob("*"))
 
 

@@ -4,14 +4,17 @@ attempt's upload token: PUT an object, GET one back (resume), declare a checkpoi
 import re
 
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from rest_framework import exceptions
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from artifacts.api.views import artifact_response
-from common.errors import InvalidInput
+from common.errors import InvalidInput, NotAuthenticated
 from common.http import error_responses
 from common.remote import client_ip
 from worker_agent import protocol
+from workers.authentication import THROTTLED
+from workers.throttling import UPLOAD_TOKEN, authentication_failed
 
 from .. import uploads
 
@@ -40,8 +43,20 @@ class UploadTokenView(APIView):
     permission_classes = []
 
     def initial(self, request, *args, **kwargs):
+        """Refuse a caller without a live attempt's token, whatever the method: 401, or 429 once its address
+        is past the failed-authentication rate (a refused token is counted and audited like any other)."""
         super().initial(request, *args, **kwargs)
-        uploads.attempt_for_token(_token(request))  # 401 to a caller without an attempt's token, whatever the method
+        if request.method not in ("HEAD", "OPTIONS") and not hasattr(self, request.method.lower()):
+            return  # a method the endpoint does not serve: 405, whoever asks
+        token = _token(request)
+        try:
+            uploads.attempt_for_token(token)
+        except NotAuthenticated as exc:
+            if token:
+                wait = authentication_failed(request, kind=UPLOAD_TOKEN, presented=token, reason="unknown upload token")
+                if wait is not None:
+                    raise exceptions.Throttled(wait=wait, detail=THROTTLED) from None
+            raise exc
 
 
 class ArtifactObjectView(UploadTokenView):

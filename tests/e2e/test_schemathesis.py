@@ -33,13 +33,6 @@ bearer = "${ST_OPERATOR_TOKEN}"
 [auth.openapi.workerToken]
 api_key = "${ST_WORKER_TOKEN}"
 
-# The attempt's upload routes are not given a token (an attempt's token dies with its attempt): like every
-# route, they answer a caller without credentials 401 whatever the method, where schemathesis's
-# unsupported-method check wants 405. Their behaviour is tested in artifacts/tests and tests/e2e.
-[[operations]]
-include-path-regex = "^/api/cloud/"
-checks.unsupported_method.enabled = false
-
 # Status reports go to a job dispatched to that worker, so they reach the report logic, not a 404.
 [[operations]]
 include-operation-id = "workers_job_status_create"
