@@ -123,8 +123,13 @@ def test_operator_adds_a_worker_watches_it_work_drains_and_rotates(logged_in_pag
     assert new_token != token and new_token.startswith("wt_")
     stale = live_orchestrator.as_worker(token, "POST", "/api/workers/heartbeat", json={})
     assert stale.status_code == 401
-    agent.wait_for_line("closed this worker's stream: token rotated", timeout=30)
-    assert agent.wait_exit() == 1  # a rotated token is fatal for the agent: it needs the new one
+    # The agent learns it from whichever reaches it first: the stream's shutdown (token_revoked), or a
+    # heartbeat refused with 401; either way a rotated token is fatal: it needs the new one.
+    agent.wait_for_line(
+        re.compile(r"closed this worker's stream: token rotated|invalid token: the orchestrator refused it .*rotated"),
+        timeout=30,
+    )
+    assert agent.wait_exit() == 1
 
     # The audit trail names the operator for each of those actions.
     page.goto(f"/admin/audit/auditevent/?q={worker_id}")
