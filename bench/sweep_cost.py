@@ -410,8 +410,13 @@ def main():
 
         import job_queue.services
         import job_queue.sweeps
-        from job_queue.sweeps import sweep_stale_workers, sweep_unacknowledged_dispatches
+        from job_queue.sweeps import sweep_unacknowledged_dispatches
         from workers.sweeps import sweep_offline_ephemeral_workers
+
+        try:
+            from job_queue.sweeps import sweep_stale_workers
+        except ImportError:  # a checkout from before the architecture move (fa36367), for before/after runs
+            from workers.sweeps import sweep_stale_workers
 
         # What a sweep schedules on commit is another sweep's work (see the module docstring).
         job_queue.services.dispatch_pending = job_queue.sweeps.dispatch_pending = lambda **kwargs: 0

@@ -197,3 +197,23 @@ def test_verify_audit_takes_dates_and_date_times(capsys):
     assert "1 links checked (seq 2-2)" in capsys.readouterr().out
     call_command("verify_audit", "--since", "2030-01-01")
     assert "No audit rows in that range." in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("returning", [True, False], ids=["returning", "ids-by-seq"])
+def test_a_large_batch_is_saved_in_chunks_each_row_with_its_own_id(monkeypatch, returning):
+    """More rows than one INSERT takes: every row saved, chained and given the id the database gave it."""
+    import audit.services
+
+    monkeypatch.setattr(audit.services, "_ROWS_PER_INSERT", 7)
+    monkeypatch.setattr(type(connection.features), "can_return_rows_from_bulk_insert", returning)
+    AuditEventFactory(target_id="before")
+    rows = [(f"j_{n}", {"n": n, "f": 1.0}) for n in range(30)]
+
+    with transaction.atomic(), audit_batch():
+        saved = audit_write(audit_events(actor=ACTOR, action="job.requeued", target_type="job", rows=rows))
+
+    stored = dict(AuditEvent.objects.filter(action="job.requeued").values_list("pk", "target_id"))
+    assert {event.pk: event.target_id for event in saved} == stored
+    assert [event.seq for event in saved] == list(range(2, 32))
+    assert not any(event._state.adding for event in saved)
+    assert audit_chain_verify().intact and audit_chain_verify().checked == 31
