@@ -313,6 +313,9 @@ def scratch_database(prefix, *, checkpoint=False):
     os.environ["SIMPLETUNER_DATA_DIR"] = data_dir
     os.environ["SIMPLETUNER_LOG_LEVEL"] = "WARNING"
     os.environ["DJANGO_SETTINGS_MODULE"] = "simpletuner_site.settings"
+    # No connection pool: a pooled connection left open on the fleet database would keep PostgreSQL from
+    # copying it (CREATE DATABASE ... TEMPLATE needs it unused); each copy is connected to afresh anyway.
+    os.environ["SIMPLETUNER_DB_POOL_SIZE"] = "0"
     db = Postgres(server_url, checkpoint=checkpoint) if server_url else SQLite(data_dir)
     if server_url:
         os.environ["DATABASE_URL"] = db.create()

@@ -43,7 +43,12 @@ def _values(model, keys, changes, *, key):
     names = dict.fromkeys(name for k in keys for name in changes[k])
     values = {}
     for name in names:
-        groups = _grouped((k, changes[k].get(name, _KEEP)) for k in keys)
+        given = [changes[k].get(name, _KEEP) for k in keys]
+        first = given[0]
+        if first is not _KEEP and all(value is first for value in given):  # the usual case: one object for all
+            values[name] = first
+            continue
+        groups = _grouped(zip(keys, given))
         if len(groups) == 1 and groups[0][0] is not _KEEP:
             values[name] = groups[0][0]
             continue
