@@ -164,38 +164,51 @@ def _append(events):
 _CLIENT_IP = AuditEvent._meta.get_field("client_ip")
 _HEAD_TABLE = AuditChainHead._meta.db_table
 _COLUMNS = (*HASHED_FIELDS, "chain_hash")
-_ROWS_PER_INSERT = 500  # 6,000 parameters: within PostgreSQL's 65,535 and SQLite's 32,766 (3.32+)
+_ROWS_PER_INSERT = 500  # a multi-row VALUES (not PostgreSQL): 6,000 parameters, within SQLite's 32,766 (3.32+)
 
 
 def _insert(cursor, events):
-    """INSERT the chained ``events`` (``_COLUMNS`` set) in one statement per ``_ROWS_PER_INSERT``; give each its id.
+    """INSERT the chained ``events`` (``_COLUMNS`` set) and give each its id.
 
     Plain SQL rather than ``bulk_create``: the values are already what the chain hashed (``created_at``,
     ``details`` and ``client_ip`` only need the backend's adaptation), and Django's per-field preparation
-    of every value was most of a sweep's audit cost (BENCHMARKS.md, issue 11 re-run). Ids come back by
-    ``RETURNING`` where the backend has it (PostgreSQL, SQLite 3.35+), else by ``seq``, which is unique
-    and, with the head locked, ours (matched by ``seq`` either way).
+    of every value was most of a sweep's audit cost (BENCHMARKS.md, issue 11 re-run). On PostgreSQL one
+    statement over ``UNNEST`` of one array per column (as Django's own ``bulk_create`` does there): a
+    dozen parameters whatever the number of rows, so psycopg's client-side parsing of the query does
+    not grow with them. Elsewhere a multi-row VALUES, ``_ROWS_PER_INSERT`` rows a statement. Ids come
+    back by ``RETURNING`` where the backend has it (PostgreSQL, SQLite 3.35+), else by ``seq``, which is
+    unique and, with the head locked, ours; matched by ``seq`` either way.
     """
     ops = connection.ops
     table = ops.quote_name(AuditEvent._meta.db_table)
-    columns = ", ".join(ops.quote_name(AuditEvent._meta.get_field(name).column) for name in _COLUMNS)
-    row = "(" + ", ".join(["%s"] * len(_COLUMNS)) + ")"
+    fields = [AuditEvent._meta.get_field(name) for name in _COLUMNS]
+    columns = ", ".join(ops.quote_name(field.column) for field in fields)
     adapt = {
         "created_at": ops.adapt_datetimefield_value,
         "details": lambda value: ops.adapt_json_value(value, None),  # the field has no encoder
         "client_ip": ops.adapt_ipaddressfield_value,
     }
-    returning = connection.features.can_return_rows_from_bulk_insert
-    if connection.vendor == "sqlite":  # an older SQLite allows 999 parameters per statement
-        limit = connection.connection.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
-        per_insert = max(1, min(_ROWS_PER_INSERT, limit // len(_COLUMNS)))
+
+    def values(event):
+        return [adapt[name](getattr(event, name)) if name in adapt else getattr(event, name) for name in _COLUMNS]
+
+    if connection.vendor == "postgresql":
+        arrays = ", ".join(f"(%s)::{field.db_type(connection).split('(')[0]}[]" for field in fields)
+        statements = [(f"SELECT * FROM UNNEST({arrays})", list(map(list, zip(*map(values, events)))), events)]
     else:
         per_insert = _ROWS_PER_INSERT
-    for start in range(0, len(events), per_insert):
-        chunk = events[start : start + per_insert]
-        params = [adapt[name](value) if name in adapt else value for event in chunk for name, value in _values(event)]
-        sql = f"INSERT INTO {table} ({columns}) VALUES {', '.join([row] * len(chunk))}"
-        if returning:
+        if connection.vendor == "sqlite":  # an older SQLite allows 999 parameters per statement
+            limit = connection.connection.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
+            per_insert = max(1, min(per_insert, limit // len(_COLUMNS)))
+        row = "(" + ", ".join(["%s"] * len(_COLUMNS)) + ")"
+        chunks = [events[start : start + per_insert] for start in range(0, len(events), per_insert)]
+        statements = [
+            (f"VALUES {', '.join([row] * len(chunk))}", [v for event in chunk for v in values(event)], chunk)
+            for chunk in chunks
+        ]
+    for rows, params, chunk in statements:
+        sql = f"INSERT INTO {table} ({columns}) {rows}"
+        if connection.features.can_return_rows_from_bulk_insert:
             cursor.execute(f"{sql} RETURNING {ops.quote_name('id')}, {ops.quote_name('seq')}", params)
         else:
             cursor.execute(sql, params)
@@ -205,10 +218,6 @@ def _insert(cursor, events):
             event.pk = ids[event.seq]
             event._state.adding = False
             event._state.db = connection.alias
-
-
-def _values(event):
-    return ((name, getattr(event, name)) for name in _COLUMNS)
 
 
 def _lock_head():
