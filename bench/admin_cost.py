@@ -1,6 +1,6 @@
 """Time the admin's pages over a large fleet: median/p95 ms and queries per page, as an operator opens them.
 
-Usage:  python bench/admin_cost.py [--workers 10000] [--history 10] [--audit 1000000] [--runs 20]
+Usage:  python bench/admin_cost.py [--workers 10000] [--history 10] [--audit 1000000] [--runs 20] [--verbose]
 
 Builds the fleet of ``bench/sweep_cost.py`` (~105,000 jobs at the defaults) plus ``--audit`` audit rows
 in a throwaway database: SQLite in a temporary directory, or a scratch PostgreSQL database when
@@ -55,8 +55,11 @@ def add_audit_trail(rows, *, worker_ids, job_ids, now):
         audit_write(batch)
 
 
-def measure(client, path, *, runs):
-    """Return ``(timings_ms, queries)`` for ``runs`` timed GETs of ``path`` after 2 warm-up runs."""
+def measure(client, path, *, runs, verbose=False):
+    """Return ``(timings_ms, queries)`` for ``runs`` timed GETs of ``path`` after 2 warm-up runs.
+
+    With ``verbose``, print the statements of one untimed GET and how long each took.
+    """
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
@@ -66,6 +69,9 @@ def measure(client, path, *, runs):
     with CaptureQueriesContext(connection) as captured:
         client.get(path)
     queries = len(captured)
+    if verbose:
+        for query in captured.captured_queries:
+            print(f"    {float(query['time']) * 1000:6.1f} ms  {query['sql'][:120]}")
     timings = []
     for _ in range(runs):
         gc.collect()
@@ -81,6 +87,7 @@ def main():
     parser.add_argument("--history", type=int, default=10, help="finished jobs per worker")
     parser.add_argument("--audit", type=int, default=1_000_000, help="audit rows")
     parser.add_argument("--runs", type=int, default=20, help="timed requests per page")
+    parser.add_argument("--verbose", action="store_true", help="print each page's statements and their time")
     args = parser.parse_args()
 
     with scratch_database("st-admin-bench-") as db:
@@ -125,7 +132,7 @@ def main():
         ]
         print(f"\n{'page':32} {'median ms':>10} {'p95 ms':>8} {'queries':>8}")
         for name, path in pages:
-            timings, queries = measure(client, path, runs=args.runs)
+            timings, queries = measure(client, path, runs=args.runs, verbose=args.verbose)
             print(f"{name:32} {statistics.median(timings):10.1f} {percentile(timings, 0.95):8.1f} {queries:8d}", flush=True)
 
 

@@ -17,7 +17,7 @@ from django.utils import timezone
 from common.permissions import may
 from job_queue.models import Job, JobStatus
 from job_queue.permissions import VIEW_JOBS
-from job_queue.selectors import job_waiting_reason
+from job_queue.selectors import jobs_waiting_reasons
 from workers.models import Worker, WorkerStatus
 from workers.permissions import VIEW_WORKERS
 
@@ -62,6 +62,12 @@ def stuck_jobs(now=None):
     """Return up to STUCK_SHOWN ``(job, why)`` that look stuck: a dispatch unacknowledged for half the
     acknowledgement timeout, a running job whose worker has been silent for two heartbeats, a job queued
     for ten minutes."""
+    return _stuck_jobs(now)[0]
+
+
+def _stuck_jobs(now=None, also=()):
+    """``stuck_jobs``, and the waiting reasons of its queued jobs and of the queued jobs in ``also``, worked out
+    from one read of the fleet: ``(found, {job pk: reason})``."""
     now = now or timezone.now()
     config = settings.SIMPLETUNER
     found = []
@@ -72,9 +78,11 @@ def stuck_jobs(now=None):
     running = Job.objects.filter(status=JobStatus.RUNNING, worker__last_heartbeat__lt=silent).select_related("worker")
     for job in running.order_by("started_at")[:STUCK_SHOWN]:
         found.append((job, f"its worker {job.worker_name} has been silent for {_ago(now, job.worker.last_heartbeat)}"))
-    for job in Job.objects.filter(status=JobStatus.QUEUED, submitted_at__lt=now - QUEUED_TOO_LONG).order_by("submitted_at")[:STUCK_SHOWN]:
-        found.append((job, f"queued for {_ago(now, job.submitted_at)}: {job_waiting_reason(job)}"))
-    return found[:STUCK_SHOWN]
+    waiting = Job.objects.filter(status=JobStatus.QUEUED, submitted_at__lt=now - QUEUED_TOO_LONG).order_by("submitted_at")
+    waiting = list(waiting[: max(STUCK_SHOWN - len(found), 0)])
+    reasons = jobs_waiting_reasons([*waiting, *also])
+    found += [(job, f"queued for {_ago(now, job.submitted_at)}: {reasons[job.pk]}") for job in waiting]
+    return found[:STUCK_SHOWN], reasons
 
 
 def _ago(now, moment):
@@ -90,9 +98,10 @@ def _job_overview():
         .annotate(n=Count("pk"))
     )
     oldest = Job.objects.filter(status=JobStatus.QUEUED).order_by("-priority", "submitted_at").first()
+    stuck, reasons = _stuck_jobs(also=[oldest] if oldest else [])
     return {
-        "oldest_waiting": (oldest, job_waiting_reason(oldest)) if oldest else None,
-        "stuck": stuck_jobs(),
+        "oldest_waiting": (oldest, reasons[oldest.pk]) if oldest else None,
+        "stuck": stuck,
         "queued": job_counts.get(JobStatus.QUEUED, 0),
         "running": job_counts.get(JobStatus.RUNNING, 0) + job_counts.get(JobStatus.DISPATCHED, 0),
         "recent_failures": list(

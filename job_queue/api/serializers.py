@@ -82,6 +82,7 @@ class JobSerializer(serializers.ModelSerializer):
 
     def get_url(self, job) -> str:
         return api_url(self.context.get("request"), "queue-job", job_id=job.pk)
+
     def get_config_version(self, job) -> int | None:
         return job.training_config.version if job.training_config_id else None
 

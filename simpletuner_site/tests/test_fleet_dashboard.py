@@ -52,3 +52,27 @@ def test_the_index_shows_the_dashboard_and_its_live_fragment(admin_client):
         assert 'id="fleet-gpus"' in html and 'id="fleet-stuck"' in html
         assert "Next in line:" in html and "next-one" in html
     assert waiting.pk in fragment or "next-one" in fragment
+
+
+def _queued_long_ago(count, now):
+    jobs = [JobFactory(worker_labels={"team": f"t{n}"}) for n in range(count)]
+    Job.objects.filter(pk__in=[job.pk for job in jobs]).update(submitted_at=now - timedelta(minutes=30))
+    return jobs
+
+
+def test_the_stuck_list_reads_the_fleet_once_whatever_the_number_of_waiting_jobs():
+    """Each queued job's reason is worked out from one read of the workers (10,000 of them on a big fleet)."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    now = timezone.now()
+    WorkerFactory.create_batch(3)
+    _queued_long_ago(1, now)
+    with CaptureQueriesContext(connection) as one:
+        assert len(stuck_jobs(now)) == 1
+    _queued_long_ago(4, now)
+    with CaptureQueriesContext(connection) as five:
+        flagged = stuck_jobs(now)
+
+    assert len(flagged) == 5 and all("matches labels team=t" in why for _, why in flagged)
+    assert len(five) == len(one)
