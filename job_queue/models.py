@@ -124,6 +124,7 @@ class Job(models.Model):
         on_delete=models.SET_NULL,
         related_name="retries",
         help_text="The failed or cancelled job this one re-runs (an operator's retry).",
+        db_index=False,  # indexed where set only (Meta.indexes)
     )
 
     class Meta:
@@ -136,6 +137,9 @@ class Job(models.Model):
         ]
         indexes = [
             models.Index(fields=["status", "-priority", "submitted_at"], name="job_dispatch_order"),
+            # Almost every job has no retry_of: a plain index holds one key for nearly all rows, and after
+            # ANALYZE SQLite judged it useless and scanned the table for a job's retries (12 ms at 105,000 jobs).
+            models.Index(fields=["retry_of"], name="job_retry_of", condition=models.Q(retry_of__isnull=False)),
         ]
 
     def __str__(self):
