@@ -5,14 +5,24 @@ then its job (the order every worker-side service locks in), and changes them on
 ``workers.transitions`` and ``job_queue.transitions``.
 """
 
+import functools
+
+from django.db import connection
 from django.utils import timezone
 
+from artifacts.models import Checkpoint
 from audit import actions
 from audit.services import audit_record, audited_atomic
 from common.errors import StaleReport
 from worker_agent import protocol
 from workers.models import Worker, WorkerStatus
-from workers.services import lock_worker, parse_capabilities, worker_stream_opened_fields
+from workers.services import (
+    lock_worker,
+    parse_capabilities,
+    token_touch,
+    worker_stream_opened_fields,
+    worker_token_sql,
+)
 from workers.transitions import worker_resting_status, workers_transition
 
 from .dispatch import (
@@ -23,7 +33,7 @@ from .dispatch import (
     redispatch_on_commit,
     workers_free_and_offer,
 )
-from .models import JOB_ACTIVE, JobStatus
+from .models import JOB_ACTIVE, Job, JobStatus
 from .reports import attempt_spoke, job_record_progress
 from .selectors import jobs_waiting_for
 from .services import lock_job
@@ -126,6 +136,92 @@ def worker_heartbeat(*, worker_id, data, actor):
         # The attempt the worker holds the job it named under: an agent naming another attempt was not acknowledged.
         "current_attempt": held.lease_id if held is not None else None,
     }
+
+
+def worker_heartbeat_liveness(*, secret, data, now=None):
+    """Authenticate a heartbeat by its worker token ``secret`` and record it, if it changes no state, with one
+    guarded UPDATE; return its response, or None.
+
+    Such a heartbeat (validated ``data``, as ``worker_heartbeat`` takes it) carries no progress or log,
+    names no other worker, and comes from a worker that is not offline and either names no job while it
+    holds none, or names the job it holds, already acknowledged (``running``), under that job's attempt
+    if it says one, with no checkpoint of that attempt waiting to be completed. Only ``last_heartbeat``
+    and the metrics are written (and the token marked used, as ``token_authenticate`` would), and no
+    audit row, as ``worker_heartbeat`` does for it. Anything else, a token refused included, returns
+    None having written nothing: give it to the full path.
+    """
+    if not secret or data.get("progress") is not None or data.get("log_tail") is not None:
+        return None
+    reported_job_id = data.get("current_job_id") or None
+    attempt = data.get("attempt") or None
+    claimed = data.get("worker_id") or None
+    now = now or timezone.now()
+    metrics = {k: data[k] for k in protocol.HEARTBEAT_METRIC_FIELDS if k in data}
+    token_worker, token_params, touch_due, touch_params = worker_token_sql(plaintext=secret, now=now)
+    sql = _liveness_sql(connection.vendor, bool(metrics), claimed is not None, reported_job_id is not None, attempt is not None)
+    params = [_prep(Worker, "last_heartbeat", now)]
+    if metrics:
+        params.append(_prep(Worker, "metrics", metrics))
+    params += token_params
+    if claimed is not None:
+        params.append(str(claimed))
+    params.append(WorkerStatus.OFFLINE)
+    if reported_job_id is not None:
+        params += [str(reported_job_id), str(reported_job_id), JobStatus.RUNNING]
+        if attempt is not None:
+            params.append(str(attempt))
+        params += [_prep(Checkpoint, "last_upload_at", now), str(reported_job_id)]
+    with connection.cursor() as cursor:
+        cursor.execute(sql.format(token_worker=token_worker, touch_due=touch_due), params + touch_params)
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    status, drain_requested_at, current_job_id, held_attempt, touch = row
+    if touch:
+        token_touch(plaintext=secret, now=now)
+    return {"status": status, "draining": drain_requested_at is not None, "current_job_id": current_job_id,
+            "current_attempt": held_attempt}
+
+
+def _prep(model, field, value):
+    return model._meta.get_field(field).get_db_prep_save(value, connection)
+
+
+@functools.lru_cache(maxsize=64)
+def _liveness_sql(vendor, metrics, claimed, names_job, names_attempt):
+    """The guarded UPDATE of ``worker_heartbeat_liveness`` for one shape of heartbeat (``{token_worker}`` and
+    ``{touch_due}`` to be filled in with ``worker_token_sql``'s subqueries)."""
+    qn = connection.ops.quote_name
+    worker, job, checkpoint = Worker._meta, Job._meta, Checkpoint._meta
+
+    def col(meta, name):
+        return qn(meta.get_field(name).column)
+
+    table = qn(worker.db_table)
+    sets = [f"{col(worker, 'last_heartbeat')} = %s"] + ([f"{col(worker, 'metrics')} = %s"] if metrics else [])
+    where = [f"{table}.{col(worker, 'id')} = {{token_worker}}"]
+    if claimed:
+        where.append(f"{table}.{col(worker, 'id')} = %s")
+    where.append(f"{col(worker, 'status')} <> %s")
+    held_attempt = "NULL"
+    if not names_job:
+        # Holding a job while the agent runs nothing is reconciled by worker_heartbeat.
+        where.append(f"{col(worker, 'current_job')} IS NULL")
+    else:
+        job_table, job_id, lease = qn(job.db_table), col(job, "id"), col(job, "lease_id")
+        attempt_check = f" AND j.{lease} = %s" if names_attempt else ""
+        where.append(
+            f"{col(worker, 'current_job')} = %s AND EXISTS (SELECT 1 FROM {job_table} j"
+            f" WHERE j.{job_id} = %s AND j.{col(job, 'status')} = %s{attempt_check}"
+            f" AND NOT EXISTS (SELECT 1 FROM {qn(checkpoint.db_table)} c WHERE c.{col(checkpoint, 'lease_id')} = j.{lease}"
+            f" AND c.{col(checkpoint, 'completed_at')} IS NULL AND c.{col(checkpoint, 'last_upload_at')} < %s))"
+        )
+        held_attempt = f"(SELECT j.{lease} FROM {job_table} j WHERE j.{job_id} = %s)"
+    returning = [col(worker, "status"), col(worker, "drain_requested_at"), col(worker, "current_job"), held_attempt]
+    return (
+        f"UPDATE {table} SET {', '.join(sets)} WHERE {' AND '.join(where)}"
+        f" RETURNING {', '.join(returning)}, {{touch_due}}"
+    )
 
 
 def _record_heartbeat(*, worker, data, reported_job_id, now, actor):

@@ -62,13 +62,18 @@ def _escape_endpoint_value(value):
     return str(value).replace("\\", "\\\\").replace(":", "\\:").replace("=", "\\=")
 
 
+# Connections the kernel queues before daphne accepts them. Twisted's default, 50, overflows when a fleet
+# (re)connects at once, and each dropped SYN costs its client a 1 s retransmission.
+LISTEN_BACKLOG = 1024
+
+
 def endpoint_string(host, port, *, certfile=None, keyfile=None):
     """Return the Twisted endpoint description daphne listens on: tcp, or ssl when given a cert and key."""
     interface = _escape_endpoint_value(host)
     if certfile is None:
-        return f"tcp:port={port}:interface={interface}"
+        return f"tcp:port={port}:interface={interface}:backlog={LISTEN_BACKLOG}"
     return (
-        f"ssl:port={port}:interface={interface}"
+        f"ssl:port={port}:interface={interface}:backlog={LISTEN_BACKLOG}"
         f":privateKey={_escape_endpoint_value(keyfile)}:certKey={_escape_endpoint_value(certfile)}"
     )
 

@@ -17,6 +17,7 @@ from django.core.exceptions import RequestAborted  # noqa: E402
 from django.core.handlers.asgi import ASGIHandler  # noqa: E402
 from django.db import close_old_connections  # noqa: E402
 
+from job_queue.api.heartbeat import HeartbeatEndpoint  # noqa: E402
 from realtime.urls import STREAM_PATHS  # noqa: E402  the worker stream and the operators' change feed
 
 
@@ -76,15 +77,20 @@ class SyncChainASGIHandler(StreamASGIHandler):
 
 
 class StreamAwareASGIHandler:
-    """Stream paths to ``StreamASGIHandler``; everything else (API, admin, static) to ``SyncChainASGIHandler``."""
+    """Stream paths to ``StreamASGIHandler``; a heartbeat to its lean path (``HeartbeatEndpoint``, which hands
+    what it does not answer itself on); everything else (API, admin, static) to ``SyncChainASGIHandler``."""
 
     def __init__(self):
         self.streams = StreamASGIHandler()
         self.requests = SyncChainASGIHandler()
+        self.heartbeats = HeartbeatEndpoint(fallback=self.requests, executor=lambda: self.requests.threads)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope.get("path") in STREAM_PATHS:
             await self.streams(scope, receive, send)
+            return
+        if self.heartbeats.handles(scope):
+            await self.heartbeats(scope, receive, send)
             return
         await self.requests(scope, receive, send)
 

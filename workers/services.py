@@ -7,7 +7,7 @@ import logging
 import math
 from datetime import timedelta
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 from audit import actions
@@ -74,6 +74,34 @@ def token_authenticate(*, kind, plaintext):
     if token.last_used_at is None or (now - token.last_used_at).total_seconds() > TOKEN_TOUCH_INTERVAL_S:
         Token.objects.filter(pk=token.pk).update(last_used_at=now)
     return token
+
+
+def worker_token_sql(*, plaintext, now):
+    """Return ``(sql, params)`` of two scalar subqueries for a statement about the caller of a worker token:
+    the worker whose active token (``token_authenticate``'s rule) is ``plaintext`` (NULL if none), and
+    whether that token is due to be marked used (``token_touch``)."""
+    qn = connection.ops.quote_name
+    meta = Token._meta
+
+    def col(name):
+        return qn(meta.get_field(name).column)
+
+    table, digest = qn(meta.db_table), hash_token(plaintext.strip())
+    moment = meta.get_field("expires_at").get_db_prep_save(now, connection)
+    touched_before = meta.get_field("last_used_at").get_db_prep_save(now - timedelta(seconds=TOKEN_TOUCH_INTERVAL_S), connection)
+    worker = (
+        f"(SELECT {col('worker')} FROM {table} WHERE {col('kind')} = %s AND {col('digest')} = %s"
+        f" AND {col('revoked_at')} IS NULL AND ({col('expires_at')} IS NULL OR {col('expires_at')} > %s))"
+    )
+    touch_due = (
+        f"(SELECT ({col('last_used_at')} IS NULL OR {col('last_used_at')} < %s) FROM {table} WHERE {col('digest')} = %s)"
+    )
+    return worker, [TokenKind.WORKER, digest, moment], touch_due, [touched_before, digest]
+
+
+def token_touch(*, plaintext, now):
+    """Mark the token whose secret is ``plaintext`` used at ``now`` (what ``token_authenticate`` does once a minute)."""
+    Token.objects.filter(digest=hash_token(plaintext.strip())).update(last_used_at=now)
 
 
 def api_token_create(*, user, actor, description="", expires_at=None):

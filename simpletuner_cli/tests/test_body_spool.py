@@ -78,3 +78,34 @@ def test_a_waiting_reader_is_woken_by_the_first_chunk():
         return await asyncio.wait_for(reader, 5)
 
     assert asyncio.run(run()) == {"type": "http.request", "body": b"hello", "more_body": False}
+
+
+def test_a_request_skips_twisteds_form_parsing():
+    from simpletuner_cli.body_spool import SpooledBodyServer
+
+    class Request:
+        _parsePOSTFormSubmission = True  # as twisted.web.http.Request.__init__ leaves it
+
+    server = SpooledBodyServer(application=None, endpoints=["tcp:port=0:interface=127.0.0.1"])  # not run
+    server.connections = {}  # as run() starts it
+    request = Request()
+
+    server.protocol_connected(request)
+
+    assert request._parsePOSTFormSubmission is False
+    assert request in server.connections
+
+
+def test_the_server_freezes_its_start_up_heap_and_collects_young_objects_less_often():
+    import gc
+
+    from simpletuner_cli.body_spool import GC_THRESHOLDS, tune_gc
+
+    before = gc.get_threshold()
+    try:
+        tune_gc()
+        assert gc.get_threshold() == GC_THRESHOLDS
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)

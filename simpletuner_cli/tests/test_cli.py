@@ -482,12 +482,12 @@ def test_fingerprint_is_colon_separated_sha256_of_der(tmp_path):
 @pytest.mark.parametrize(
     "host, kwargs, expected",
     [
-        ("127.0.0.1", {}, "tcp:port=8001:interface=127.0.0.1"),
-        ("::1", {}, r"tcp:port=8001:interface=\:\:1"),
+        ("127.0.0.1", {}, "tcp:port=8001:interface=127.0.0.1:backlog=1024"),
+        ("::1", {}, r"tcp:port=8001:interface=\:\:1:backlog=1024"),
         (
             "::",
             {"certfile": Path("/d/c:rt.pem"), "keyfile": Path("/d/k=y.pem")},
-            r"ssl:port=8001:interface=\:\::privateKey=/d/k\=y.pem:certKey=/d/c\:rt.pem",
+            r"ssl:port=8001:interface=\:\::backlog=1024:privateKey=/d/k\=y.pem:certKey=/d/c\:rt.pem",
         ),
     ],
 )

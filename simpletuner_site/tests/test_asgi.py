@@ -4,31 +4,19 @@ import json
 
 import pytest
 from asgiref.sync import async_to_sync, iscoroutinefunction, sync_to_async
-from asgiref.testing import ApplicationCommunicator
 from django.test import AsyncClient, Client
 
 from common.middleware import StaticFilesMiddleware
 from simpletuner_site.asgi import SyncChainASGIHandler, application
+from simpletuner_site.tests.asgi_support import asgi_request
 from worker_agent import protocol
 
 STATIC_FILE = "/static/simpletuner/admin/admin.css"
 
 
 async def asgi_get(path, headers=()):
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
-             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": [(b"host", b"testserver"), *headers], "client": ("127.0.0.1", 1234),
-             "server": ("testserver", 80)}
-    comm = ApplicationCommunicator(application, scope)
-    await comm.send_input({"type": "http.request", "body": b"", "more_body": False})
-    start = await comm.receive_output(10)
-    body = b""
-    while True:
-        message = await comm.receive_output(10)
-        body += message.get("body", b"")
-        if not message.get("more_body"):
-            break
-    return start["status"], body
+    status, _, body = await asgi_request(application, "GET", path, headers=headers)
+    return status, body
 
 
 def test_the_static_middleware_can_run_sync_and_async():

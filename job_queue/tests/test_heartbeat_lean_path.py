@@ -1,0 +1,348 @@
+"""The heartbeat's lean path (``job_queue.api.heartbeat``): a heartbeat that changes no state is answered
+without DRF and its transaction, exactly as before; every other heartbeat falls through to ``worker_heartbeat``."""
+
+import json
+from datetime import timedelta
+
+import pytest
+from asgiref.sync import async_to_sync
+from django.test import override_settings
+from django.utils import timezone
+
+from artifacts.models import Checkpoint
+from audit import actions
+from audit.models import AuditEvent
+from audit.services import Actor
+from job_queue import agents
+from job_queue.models import JobStatus
+from job_queue.tests.factories import JobFactory, job_on_worker
+from simpletuner_site.asgi import SyncChainASGIHandler, application
+from simpletuner_site.tests.asgi_support import asgi_request
+from worker_agent import protocol
+from workers.models import Token, Worker, WorkerStatus
+from workers.services import worker_rotate_token
+from workers.tests.factories import WorkerFactory, worker_token
+from workers.tests.support import audit_rows, clear_failed_auth_counters
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+LONG_AGO = timedelta(minutes=5)
+
+
+async def _post(app, body, *, token=None, headers=(), path=protocol.HEARTBEAT_PATH):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    head = [(b"content-type", b"application/json"), (b"accept", b"application/json"),
+            (b"content-length", str(len(raw)).encode())]
+    if token is not None:
+        head.append((protocol.WORKER_TOKEN_HEADER.lower().encode(), token.encode()))
+    return await asgi_request(app, "POST", path, body=raw, headers=head + list(headers))
+
+
+def post(body, **kwargs):
+    """POST a heartbeat through the whole ASGI application (lean path first): (status, headers, body)."""
+    return async_to_sync(_post)(application, body, **kwargs)
+
+
+def post_full(body, *, handler=None, **kwargs):
+    """POST it straight to the Django handler (HeartbeatView), as every heartbeat went before (``handler``: one
+    built under the settings in force, since Django's middleware reads its settings when built)."""
+    return async_to_sync(_post)(handler or application.requests, body, **kwargs)
+
+
+@pytest.fixture
+def full_path(monkeypatch):
+    """The heartbeats that reached ``worker_heartbeat`` (the full path), by worker id."""
+    calls = []
+    original = agents.worker_heartbeat
+
+    def spy(*, worker_id, data, actor):
+        calls.append(worker_id)
+        return original(worker_id=worker_id, data=data, actor=actor)
+
+    monkeypatch.setattr(agents, "worker_heartbeat", spy)
+    return calls
+
+
+def _worker(**kwargs):
+    return WorkerFactory(last_heartbeat=timezone.now() - LONG_AGO, **kwargs)
+
+
+def _reload(obj):
+    obj.refresh_from_db()
+    return obj
+
+
+# --- answered by the lean path ---------------------------------------------------------------------
+
+
+def test_an_idle_worker_heartbeat_is_answered_by_the_lean_path_and_records_liveness(full_path):
+    worker = _worker(metrics={"cpu_percent": 1.0})
+    before = worker.last_heartbeat
+
+    status, _, body = post(
+        {"worker_id": worker.pk, "status": "idle", "current_job_id": None, "gpu_utilization": [12.5], "cpu_percent": 3,
+         "something_new": "ignored"},
+        token=worker_token(worker),
+    )
+
+    assert status == 200
+    assert json.loads(body) == {"status": "idle", "draining": False, "current_job_id": None, "current_attempt": None}
+    assert full_path == []
+    worker = _reload(worker)
+    assert worker.last_heartbeat > before
+    assert worker.metrics == {"gpu_utilization": [12.5], "cpu_percent": 3.0}  # validated as the serializer does
+    assert AuditEvent.objects.count() == 0  # liveness is not audited
+
+
+def test_a_heartbeat_without_metrics_keeps_the_last_ones(full_path):
+    worker = _worker(metrics={"cpu_percent": 1.0})
+
+    status, _, _ = post({"status": "idle"}, token=worker_token(worker))
+
+    assert (status, full_path) == (200, [])
+    assert _reload(worker).metrics == {"cpu_percent": 1.0}
+
+
+def test_a_draining_worker_heartbeat_stays_draining(full_path):
+    worker = _worker(draining=True)
+
+    status, _, body = post({"status": "idle", "current_job_id": None}, token=worker_token(worker))
+
+    assert json.loads(body) == {"status": "draining", "draining": True, "current_job_id": None, "current_attempt": None}
+    assert (status, full_path, _reload(worker).status) == (200, [], WorkerStatus.DRAINING)
+
+
+@pytest.mark.parametrize("names_attempt", [True, False])
+def test_a_busy_worker_naming_its_acknowledged_job_is_answered_by_the_lean_path(full_path, names_attempt):
+    worker = _worker()
+    job = job_on_worker(worker)
+    body = {"status": "busy", "current_job_id": job.pk, "progress": None, "log_tail": None}
+    if names_attempt:
+        body["attempt"] = job.lease_id
+
+    status, _, answer = post(body, token=worker_token(worker))
+
+    assert status == 200
+    assert json.loads(answer) == {"status": "busy", "draining": False, "current_job_id": job.pk,
+                                  "current_attempt": job.lease_id}
+    assert full_path == []
+    assert _reload(worker).last_heartbeat > timezone.now() - LONG_AGO
+    assert AuditEvent.objects.count() == 0
+
+
+@pytest.mark.parametrize("case", ["idle", "draining", "busy"])
+@pytest.mark.parametrize("secure", [False, True])
+def test_the_lean_answer_is_the_full_paths_byte_for_byte(full_path, case, secure):
+    worker = _worker(draining=case == "draining")
+    body = {"worker_id": worker.pk, "status": "idle", "cpu_percent": 2.5}
+    if case == "busy":
+        job = job_on_worker(worker)
+        body.update(status="busy", current_job_id=job.pk, attempt=job.lease_id)
+    token = worker_token(worker)
+    proxy = [(b"x-forwarded-proto", b"https")] if secure else []
+    with override_settings(SECURE_PROXY_SSL_HEADER=("HTTP_X_FORWARDED_PROTO", "https") if secure else None,
+                           SECURE_HSTS_SECONDS=3600):
+        lean = post(body, token=token, headers=proxy)
+        assert full_path == []
+        full = post_full(body, token=token, headers=proxy, handler=SyncChainASGIHandler())
+    assert len(full_path) == 1  # the second went through HeartbeatView
+    assert lean == full
+    assert (b"Strict-Transport-Security" in lean[1]) is secure
+
+
+# --- what falls through, and gets today's answer -----------------------------------------------------
+
+
+def test_an_offline_worker_falls_through_and_comes_back(full_path):
+    worker = _worker(offline=True)
+
+    status, _, body = post({"status": "idle"}, token=worker_token(worker))
+
+    assert (status, json.loads(body)["status"], full_path) == (200, "idle", [worker.pk])
+    (change,) = audit_rows(actions.WORKER_STATUS_CHANGED, target_id=worker.pk)
+    assert change.details["reason"] == "heartbeat after being offline"
+
+
+def test_a_heartbeat_naming_a_dispatched_job_falls_through_and_acknowledges_it(full_path):
+    worker = _worker()
+    job = job_on_worker(worker, status=JobStatus.DISPATCHED)
+
+    status, _, body = post({"status": "busy", "current_job_id": job.pk, "attempt": job.lease_id}, token=worker_token(worker))
+
+    assert (status, json.loads(body)["current_attempt"], full_path) == (200, job.lease_id, [worker.pk])
+    assert _reload(job).status == JobStatus.RUNNING
+
+
+def test_a_heartbeat_with_progress_falls_through_and_stores_it(full_path):
+    worker = _worker()
+    job = job_on_worker(worker)
+
+    status, _, _ = post({"status": "busy", "current_job_id": job.pk, "progress": {"step": 10, "total": 100},
+                         "log_tail": ["a"]}, token=worker_token(worker))
+
+    assert (status, full_path) == (200, [worker.pk])
+    job = _reload(job)
+    assert (job.progress, job.log_tail) == ({"step": 10, "total": 100}, "a")
+
+
+def test_a_heartbeat_naming_a_job_not_its_own_falls_through_to_the_audited_refusal(full_path):
+    worker = _worker()
+    foreign = job_on_worker(WorkerFactory())
+
+    status, _, body = post({"status": "busy", "current_job_id": foreign.pk}, token=worker_token(worker))
+
+    assert (status, json.loads(body)["abandon_job"], full_path) == (409, foreign.pk, [worker.pk])
+    assert AuditEvent.objects.filter(action="job.report_refused", target_id=foreign.pk).count() == 1
+    assert _reload(worker).last_heartbeat < timezone.now() - LONG_AGO + timedelta(seconds=1)
+
+
+def test_a_heartbeat_naming_another_attempt_falls_through(full_path):
+    worker = _worker()
+    job = job_on_worker(worker)
+
+    status, _, body = post({"status": "busy", "current_job_id": job.pk, "attempt": "an-old-one"}, token=worker_token(worker))
+
+    assert (status, json.loads(body)["current_attempt"], full_path) == (200, job.lease_id, [worker.pk])
+
+
+def test_an_idle_agent_holding_a_cancelled_job_falls_through_and_is_freed(full_path):
+    worker = _worker()
+    job = job_on_worker(worker)
+    type(job).objects.filter(pk=job.pk).update(status=JobStatus.CANCELLED)
+
+    status, _, _ = post({"status": "idle", "current_job_id": None}, token=worker_token(worker))
+
+    assert (status, full_path) == (200, [worker.pk])
+    assert (_reload(worker).status, worker.current_job_id) == (WorkerStatus.IDLE, None)
+
+
+def test_a_heartbeat_after_a_checkpoint_upload_falls_through_and_completes_it(full_path):
+    worker = _worker()
+    job = job_on_worker(worker)
+    checkpoint = Checkpoint.objects.create(job_id=job.pk, step=100, lease_id=job.lease_id, attempt_number=1,
+                                           last_upload_at=timezone.now() - timedelta(seconds=5))
+
+    status, _, _ = post({"status": "busy", "current_job_id": job.pk, "attempt": job.lease_id}, token=worker_token(worker))
+
+    assert (status, full_path) == (200, [worker.pk])
+    assert _reload(checkpoint).completed_at is not None
+    assert audit_rows(actions.CHECKPOINT_COMPLETED)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        ({"cpu_percent": "lots"}, 400, "invalid"),
+        ({"worker_id": 12}, 400, "invalid"),
+        ({"status": "x" * 33}, 400, "invalid"),
+        ([1, 2], 400, "invalid"),
+        (b"{not json", 400, "parse_error"),
+        (b'{"status": "' + b"x" * 2_000_000 + b'"}', 413, "request_too_large"),
+    ],
+)
+def test_a_body_the_serializer_refuses_gets_the_full_paths_answer(full_path, body, status, code):
+    worker = _worker()
+    token = worker_token(worker)
+
+    lean = post(body, token=token)
+    full = post_full(body, token=token)
+
+    assert lean == full
+    assert lean[0] == status
+    assert json.loads(lean[2])["code"] == code or "errors" in json.loads(lean[2])
+    assert _reload(worker).last_heartbeat < timezone.now() - LONG_AGO + timedelta(seconds=1)
+
+
+def test_another_workers_id_is_403(full_path):
+    worker = _worker()
+
+    status, _, body = post({"worker_id": WorkerFactory().pk}, token=worker_token(worker))
+
+    assert (status, json.loads(body)["code"]) == (403, "permission_denied")
+
+
+@pytest.mark.parametrize("token", [None, "wt_not-a-token"])
+def test_a_missing_or_unknown_token_is_401(full_path, token):
+    clear_failed_auth_counters()
+
+    status, _, body = post({"status": "idle"}, token=token)
+
+    assert (status, set(json.loads(body))) == (401, {"code", "detail"})
+
+
+def test_a_rotated_token_is_refused_at_the_very_next_heartbeat():
+    clear_failed_auth_counters()
+    worker = _worker()
+    token = worker_token(worker)
+    assert post({"status": "idle"}, token=token)[0] == 200
+
+    worker_rotate_token(worker_id=worker.pk, actor=Actor.system())
+    status, _, body = post({"status": "idle"}, token=token)
+
+    assert status == 401
+    assert json.loads(body) == json.loads(post_full({"status": "idle"}, token=token)[2])
+
+
+def test_a_host_not_allowed_is_refused_as_before(full_path):
+    worker = _worker()
+    before = worker.last_heartbeat
+
+    with override_settings(ALLOWED_HOSTS=["orchestrator.example.com"]):
+        status, _, _ = post({"status": "idle"}, token=worker_token(worker))
+
+    assert status == 400
+    assert _reload(worker).last_heartbeat == before
+
+
+# --- the service: one guarded UPDATE, or nothing ----------------------------------------------------
+
+
+def test_the_liveness_service_writes_nothing_for_a_heartbeat_that_changes_state():
+    idle_offline = _worker(offline=True)
+    holding = _worker()
+    held = job_on_worker(holding)
+    dispatched_to = _worker()
+    dispatched = job_on_worker(dispatched_to, status=JobStatus.DISPATCHED)
+    JobFactory()
+    cases = [
+        (idle_offline, {"status": "idle"}),
+        (holding, {"status": "idle"}),  # holds a job the agent does not run: reconcile
+        (holding, {"current_job_id": held.pk, "progress": {"step": 1}}),
+        (holding, {"current_job_id": held.pk, "log_tail": "x"}),
+        (holding, {"current_job_id": held.pk, "attempt": "other"}),
+        (holding, {"current_job_id": dispatched.pk}),
+        (dispatched_to, {"current_job_id": dispatched.pk}),
+    ]
+    before = {w.pk: w.last_heartbeat for w in Worker.objects.all()}
+    tokens = {w.pk: worker_token(w) for w in (idle_offline, holding, dispatched_to)}
+
+    answers = [agents.worker_heartbeat_liveness(secret=tokens[w.pk], data=data) for w, data in cases]
+
+    assert answers == [None] * len(cases)
+    assert {w.pk: w.last_heartbeat for w in Worker.objects.all()} == before
+
+
+def test_the_lean_path_marks_its_token_used_at_most_once_a_minute(full_path):
+    worker = _worker()
+    secret = worker_token(worker)
+    token = Token.objects.get(worker=worker)
+    recent, stale = timezone.now() - timedelta(seconds=10), timezone.now() - timedelta(minutes=2)
+
+    for last_used, touched in [(None, True), (recent, False), (stale, True)]:
+        Token.objects.filter(pk=token.pk).update(last_used_at=last_used)
+        assert post({"status": "idle"}, token=secret)[0] == 200
+        assert (_reload(token).last_used_at != last_used) is touched
+    assert full_path == []
+
+
+def test_an_expired_token_is_401(full_path):
+    clear_failed_auth_counters()
+    worker = _worker()
+    secret = worker_token(worker)
+    Token.objects.filter(worker=worker).update(expires_at=timezone.now() - timedelta(seconds=1))
+
+    status, _, body = post({"status": "idle"}, token=secret)
+
+    assert status == 401
+    assert json.loads(body) == json.loads(post_full({"status": "idle"}, token=secret)[2])  # the same code
+    assert _reload(worker).last_heartbeat < timezone.now() - LONG_AGO + timedelta(seconds=1)
