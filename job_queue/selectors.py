@@ -22,8 +22,9 @@ def jobs_waiting_reasons(jobs):
     """Return ``{job pk: sentence}`` saying why each queued one of ``jobs`` has not been dispatched.
 
     The fleet is read once for them all, counted in SQL by what a reason depends on (type, GPUs,
-    status, stream, drain, and the labels only when some job selects on them): a few rows, not one per
-    worker, whatever the size of the fleet.
+    status, stream, drain, and the labels only when some job selects on them): a row per distinct
+    combination, a few for a fleet of like machines (one per label set when labels count), not one per
+    worker, and one query whatever the number of jobs.
     """
     queued = [job for job in jobs if job.status == JobStatus.QUEUED]
     if not queued:

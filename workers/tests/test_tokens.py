@@ -118,3 +118,49 @@ def test_create_api_token_command_prints_a_working_token():
     token = token_authenticate(kind=TokenKind.API, plaintext=plaintext)
     assert token.user.username == "alice" and token.user.is_superuser
     assert audit_rows(actions.API_TOKEN_CREATED, target_id=str(token.user.pk))
+
+
+# --- the token rule in SQL (the heartbeat's lean path) agrees with the ORM's ---------------------
+
+
+@pytest.mark.parametrize(
+    "state",
+    ["active", "expires later", "expired", "expires now", "revoked", "api kind", "unknown",
+     "used just now", "used two minutes ago"],
+)  # fmt: skip
+def test_token_sql_agrees_with_the_orm_rules(state):
+    from datetime import timedelta
+
+    from django.db import connection
+    from django.utils import timezone
+
+    from workers.services import _active_tokens, _touch_due, worker_token_sql
+
+    now = timezone.now()
+    worker = WorkerFactory()
+    kind = TokenKind.API if state == "api kind" else TokenKind.WORKER
+    token, secret = token_issue(kind=kind, worker=worker if kind == TokenKind.WORKER else None,
+                                user=UserFactory() if kind == TokenKind.API else None)  # fmt: skip
+    changes = {
+        "expires later": {"expires_at": now + timedelta(hours=1)},
+        "expired": {"expires_at": now - timedelta(seconds=1)},
+        "expires now": {"expires_at": now},
+        "revoked": {"revoked_at": now},
+        "used just now": {"last_used_at": now - timedelta(seconds=5)},
+        "used two minutes ago": {"last_used_at": now - timedelta(minutes=2)},
+    }.get(state, {})
+    Token.objects.filter(pk=token.pk).update(**changes)
+    if state == "unknown":
+        secret = "wt_" + "x" * 40
+
+    worker_sql, worker_params, touch_sql, touch_params = worker_token_sql(plaintext=secret, now=now)
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT {worker_sql}, {touch_sql}", worker_params + touch_params)
+        sql_worker, sql_due = cursor.fetchone()
+    orm = _active_tokens(kind=TokenKind.WORKER, plaintext=secret, now=now)
+    orm_worker = orm.values_list("worker", flat=True).first()
+    orm_due = Token.objects.filter(_touch_due(now), digest=token.digest).exists() if state != "unknown" else None
+
+    assert sql_worker == orm_worker
+    assert (None if sql_due is None else bool(sql_due)) == orm_due
+    assert (orm_worker == worker.pk) == (state in {"active", "expires later", "used just now", "used two minutes ago"})
