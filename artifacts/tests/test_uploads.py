@@ -6,17 +6,16 @@ import pytest
 from rest_framework.test import APIClient
 
 from artifacts.models import Artifact, AttemptSteps, Checkpoint
-from artifacts.storage import artifact_storage
 from artifacts.tokens import upload_token
 from audit import actions
 from job_queue.dispatch import dispatch_for_job
 from job_queue.models import Job, JobStatus
 from audit.services import Actor
 from job_queue.agents import worker_disconnect
-from job_queue.tests.factories import JobFactory, job_on_worker
+from job_queue.tests.factories import job_on_worker
 from worker_agent import protocol
 from workers.tests.factories import UserFactory, WorkerFactory
-from workers.tests.support import audit_rows, sent_events
+from workers.tests.support import admin_url, audit_rows, sent_events
 
 pytestmark = pytest.mark.django_db
 
@@ -302,7 +301,7 @@ def test_the_job_detail_lists_artifacts_and_steps_and_download_checks_the_permis
 def test_the_job_admin_page_shows_the_artifacts(staff_client):
     job, _, token = running_job()
     put(token, "out/final/model.bin", b"final weights")
-    response = staff_client("queue.view_job").get(f"/admin/queue/job/{job.pk}/change/")
+    response = staff_client("queue.view_job").get(admin_url(job))
     assert response.status_code == 200
     assert b"out/final/model.bin" in response.content
     assert hashlib.sha256(b"final weights").hexdigest().encode() in response.content

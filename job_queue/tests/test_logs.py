@@ -7,6 +7,7 @@ from job_queue.logs import attempt_append_log, job_full_log
 from job_queue.models import JobAttempt, JobStatus
 from job_queue.tests.factories import job_on_worker
 from workers.tests.factories import WorkerFactory
+from workers.tests.support import admin_url
 
 pytestmark = pytest.mark.django_db
 
@@ -69,17 +70,17 @@ def test_the_api_downloads_the_whole_log(operator_client):
 def test_the_admin_shows_the_whole_log_live_and_downloads_it(admin_client):
     job = job_on_worker(WorkerFactory())
     attempt_append_log(lease_id=job.lease_id, chunk={"from": 0, "lines": ["<b>not html</b>"]})
-    page = admin_client.get(f"/admin/queue/job/{job.pk}/change/").content.decode()
+    page = admin_client.get(admin_url(job)).content.decode()
     assert 'id="full-log-link"' in page
-    full = admin_client.get(f"/admin/queue/job/{job.pk}/log/").content.decode()
+    full = admin_client.get(admin_url(job, "log")).content.decode()
     assert "&lt;b&gt;not html&lt;/b&gt;" in full and "following the job" in full
-    raw = admin_client.get(f"/admin/queue/job/{job.pk}/log/", {"raw": 1})
+    raw = admin_client.get(admin_url(job, "log"), {"raw": 1})
     assert raw["X-Job-Finished"] == "0" and "<b>not html</b>" in raw.content.decode()
-    download = admin_client.get(f"/admin/queue/job/{job.pk}/log/", {"download": 1})
+    download = admin_client.get(admin_url(job, "log"), {"download": 1})
     assert download["Content-Disposition"] == f'attachment; filename="{job.pk}.log"'
     JobAttempt.objects.filter(job=job).update(outcome="completed")
     type(job).objects.filter(pk=job.pk).update(status=JobStatus.COMPLETED)
-    assert "following the job" not in admin_client.get(f"/admin/queue/job/{job.pk}/log/").content.decode()
+    assert "following the job" not in admin_client.get(admin_url(job, "log")).content.decode()
 
 
 # --- the progress chart (issue 14.10) -------------------------------------------------------------------
@@ -100,7 +101,7 @@ def test_reports_and_heartbeats_build_the_attempts_progress_series_and_the_page_
 
     samples = _attempt(job).progress_samples
     assert [s[1:] for s in samples] == [[10, 0.9], [20, 0.5], [30, 0.25]]
-    page = admin_client.get(f"/admin/queue/job/{job.pk}/change/").content.decode()
+    page = admin_client.get(admin_url(job)).content.decode()
     assert 'id="progress-chart"' in page and 'class="st-chart-step"' in page and 'class="st-chart-loss"' in page
 
     for step in range(31, 31 + MAX_SAMPLES):

@@ -9,7 +9,7 @@ from job_queue.services import job_submit
 from training_configs.models import TrainingConfig
 from training_configs.services import config_create, config_edit
 from workers.tests.factories import UserFactory
-from workers.tests.support import audit_rows
+from workers.tests.support import admin_url, audit_rows
 
 pytestmark = pytest.mark.django_db
 
@@ -170,5 +170,5 @@ def test_the_job_page_links_its_stored_config_or_says_not_stored(staff_client):
     adhoc, _ = job_submit(config_name="adhoc", actor=ACTOR)
     client = staff_client("queue.view_job")
 
-    assert b"sdxl@1" in client.get(f"/admin/queue/job/{stored.pk}/change/").content
-    assert b"config not stored" in client.get(f"/admin/queue/job/{adhoc.pk}/change/").content
+    assert b"sdxl@1" in client.get(admin_url(stored)).content
+    assert b"config not stored" in client.get(admin_url(adhoc)).content
