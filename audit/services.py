@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from django.db import connection, transaction
 from django.db.transaction import TransactionManagementError
 
+from common import outbox
 from common.remote import client_ip
 
 from .chain import GENESIS, HASHED_FIELDS, chain_key, link_hash, stored_details
@@ -85,7 +86,7 @@ class _Batch:
 
     def events(self):
         """Return the held rows, less those written in a savepoint that has rolled back since."""
-        alive = {id(func) for _sids, func, _robust in connection.run_on_commit}
+        alive = {id(func) for func in outbox.pending_on_commit()}
         return [e for marker, rows in self.held if marker is None or id(marker) in alive for e in rows]
 
 
@@ -110,7 +111,8 @@ def audit_batch():
     (``_append``) is the last lock the transaction takes. A block left by an exception, or whose
     transaction is marked for rollback, saves nothing. Rows written in a nested atomic block (a
     savepoint) are held too, and dropped if that savepoint rolls back; a batch opened inside a batch
-    joins it. Raise TransactionManagementError outside a transaction.
+    joins it. Just before the chain's lock, the transaction's outbox is staged (``outbox.stage_pending``):
+    the worker events it announced are stored in it. Raise TransactionManagementError outside a transaction.
     """
     depth = _atomic_depth()
     if not depth:
@@ -125,6 +127,7 @@ def audit_batch():
     finally:
         _batch.reset(token)
     if not transaction.get_rollback():
+        outbox.stage_pending()  # what the transaction announces is written in it too, just before the chain's lock
         _append(batch.events())
 
 

@@ -1,9 +1,10 @@
 """Placing queued jobs on available workers: matching, assignment (a new attempt), and what the worker is sent."""
 
+import logging
 import re
 from urllib.parse import quote
 
-from django.db import transaction
+from django.db import DatabaseError, transaction
 from django.db.models import Case, F, IntegerField, TextField, Value, When
 from django.db.models.functions import Cast
 from django.db.models.fields.json import KeyTextTransform
@@ -24,7 +25,10 @@ from . import events
 from .models import TARGET_WORKER_TYPES, Job, JobStatus, job_fits_worker, new_lease_id, targets_for_worker_type
 from .transitions import attempt_open, jobs_transition
 
+logger = logging.getLogger(__name__)
+
 SYSTEM = Actor.system("dispatcher")
+FIRST_CANDIDATES = 8
 CANDIDATE_BATCH = 200
 
 
@@ -137,13 +141,20 @@ def dispatch_for_job(job_id, *, actor=SYSTEM):
 
 
 def _candidates(queryset):
-    """Yield the rows of ``queryset``: the first CANDIDATE_BATCH from one plain query (on PostgreSQL a
-    server-side cursor costs a DECLARE, a FETCH and a CLOSE, and the first batch nearly always decides),
-    then, if that batch was full, the whole queryset again through a cursor, as before."""
-    first = list(queryset[:CANDIDATE_BATCH])
+    """Yield the rows of ``queryset``: the first FIRST_CANDIDATES from one small query (the first nearly always
+    takes the job: labels are pre-filtered in SQL), then up to CANDIDATE_BATCH from a second, and past that
+    the rest through a cursor (on PostgreSQL a server-side cursor costs a DECLARE, a FETCH and a CLOSE).
+
+    Reading 200 idle workers' rows to dispatch to the first of them cost ~1 ms of a submit's CPU per dispatch
+    with a fleet of idle workers; eight cost almost nothing."""
+    first = list(queryset[:FIRST_CANDIDATES])
     yield from first
-    if len(first) == CANDIDATE_BATCH:
-        seen = {row.pk for row in first}
+    if len(first) < FIRST_CANDIDATES:
+        return
+    batch = list(queryset[FIRST_CANDIDATES:CANDIDATE_BATCH])
+    yield from batch
+    if len(batch) == CANDIDATE_BATCH - FIRST_CANDIDATES:
+        seen = {row.pk for row in first} | {row.pk for row in batch}
         yield from (row for row in queryset.iterator(chunk_size=CANDIDATE_BATCH) if row.pk not in seen)
 
 
@@ -250,11 +261,24 @@ def redispatch_on_commit(released):
         transaction.on_commit(dispatch_pending, robust=True)
 
 
-def workers_free_and_offer(*, workers, actor, reason):
+def workers_free_and_offer(*, workers, actor, reason, at_once=True):
     """Free locked ``workers`` whose job is over (``workers.transitions.workers_free``) and offer work to the idle.
 
+    With ``at_once`` the offer is made in the caller's (audited) transaction: the end of one job and the
+    dispatch of the next commit together, one commit instead of two per job. It locks no row it could
+    wait for (the worker is locked already; queued jobs are taken with SKIP LOCKED), so it adds no
+    lock-order hazard. Should it fail, its savepoint rolls back and the offer is made after the commit
+    instead, as it is without ``at_once``.
     An ephemeral agent leaves after its job; it gets another only by asking (the queue endpoint).
     """
     for worker in workers_free(workers=workers, actor=actor, reason=reason):
-        if worker.worker_type != WorkerType.EPHEMERAL:
+        if worker.worker_type == WorkerType.EPHEMERAL:
+            continue
+        if not at_once:
+            dispatch_on_commit(worker_id=worker.pk)
+            continue
+        try:
+            dispatch_for_worker(worker.pk)  # its audited_atomic is a savepoint of the caller's transaction
+        except DatabaseError:
+            logger.exception("dispatch to freed worker %s failed; retried after the commit", worker.pk)
             dispatch_on_commit(worker_id=worker.pk)

@@ -184,6 +184,7 @@ def _apply_report(*, job, worker, raw, target, error, data, actor):
             Job.objects.filter(pk=job.pk).update(**fields)
         return {"job_id": job.pk, "status": job.status, "accepted": True}
 
+    requeued = False
     if target == JobStatus.COMPLETED:
         attempts_finish(lease_ids=[job.lease_id], outcome=AttemptOutcome.COMPLETED, now=now)
         progress = fields.pop("progress", None) or dict(job.progress or {})
@@ -215,7 +216,10 @@ def _apply_report(*, job, worker, raw, target, error, data, actor):
             now=now,
         )
         redispatch_on_commit(released)
+        requeued = bool(released.requeued)
 
     if owns_worker:
-        workers_free_and_offer(workers=[worker], actor=actor, reason=f"job {job.pk} {raw}")
+        # A job put back on the queue goes to the best worker after the commit (least recently used first,
+        # so rarely the one it just left); the worker is offered work then too, after that job is placed.
+        workers_free_and_offer(workers=[worker], actor=actor, reason=f"job {job.pk} {raw}", at_once=not requeued)
     return {"job_id": job.pk, "status": job.status, "accepted": True}

@@ -15,6 +15,8 @@ class RealtimeConfig(AppConfig):
         from . import listeners, operator_feed, publish
 
         listeners.install_listener_manager()
-        outbox.subscribe(WORKER_EVENT, publish.on_worker_event)
+        outbox.subscribe_staged(
+            WORKER_EVENT, stage=publish.stage_worker_event, publish=publish.publish_worker_event, order=publish.worker_event_order
+        )
         outbox.subscribe(STREAMS_REVOKED, publish.on_streams_revoked)
         outbox.subscribe(CHANGES, operator_feed.on_changes)

@@ -1,12 +1,18 @@
 """Delivery to worker streams: the outbox's worker topics become django-eventstream events.
 
-Every publish leaves only after the transaction that announced it commits (``common.outbox``).
+A worker event is stored in the transaction that announced it (``realtime.storage``; one commit for a
+dispatch and its ``job_submit``) and published only after that transaction commits (``common.outbox``).
 """
 
+import json
 import logging
 
+from django.core.serializers.json import DjangoJSONEncoder
 from django_eventstream import send_event
+from django_eventstream.utils import get_storage
 from redis.exceptions import RedisError
+
+from .storage import published_as
 
 logger = logging.getLogger(__name__)
 
@@ -30,14 +36,14 @@ def one_line(exc):
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-def send(channel, event_type, data):
+def send(channel, event_type, data, *, json_encode=True):
     """``send_event``; a Redis failure is logged, not raised: the event is stored and every stream catches up.
 
     The library stores the event before it publishes it, and each server's Redis event listener makes
     its streams re-read storage (and re-check their tokens) when it resubscribes after an outage.
     """
     try:
-        send_event(channel, event_type, data)
+        send_event(channel, event_type, data, json_encode=json_encode)
     except RedisError as exc:
         logger.warning(
             "%s on %s not pushed, Redis is unreachable (%s): streams catch up when Redis is back",
@@ -47,9 +53,21 @@ def send(channel, event_type, data):
         )
 
 
-def on_worker_event(*, worker_id, event):
-    """Subscriber of ``workers.events.WORKER_EVENT``: put ``event`` (with its ``type``) on the worker's stream."""
-    send(worker_channel(worker_id), event["type"], event)
+def stage_worker_event(*, worker_id, event):
+    """Stage of ``workers.events.WORKER_EVENT``: store ``event`` (with its ``type``) on the worker's channel, in
+    the current transaction (the one that emitted it, when it stages; ``common.outbox``); return it stored."""
+    return get_storage().append_event(worker_channel(worker_id), event["type"], json.dumps(event, cls=DjangoJSONEncoder))
+
+
+def worker_event_order(*, worker_id, event):
+    """The order in which one transaction's worker events lock their channels' counters: by channel."""
+    return worker_channel(worker_id)
+
+
+def publish_worker_event(stored):
+    """Publish of ``workers.events.WORKER_EVENT``: push the stored event to the streams of its channel."""
+    with published_as(stored):
+        send(stored.channel, stored.type, stored.data, json_encode=False)
 
 
 def on_streams_revoked(*, worker_id, token_ids, reason, code):

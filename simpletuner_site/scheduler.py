@@ -11,6 +11,8 @@ from django.db import close_old_connections, connection
 
 logger = logging.getLogger(__name__)
 
+STORED_EVENT_TRIM_INTERVAL = 600  # seconds; events are kept 24 h, so a trim every 10 minutes keeps the table lean
+
 
 def sweep_schedule():
     """Return ``[(task_name, function, interval_seconds)]``: every periodic sweep and how often it runs.
@@ -20,6 +22,7 @@ def sweep_schedule():
     from artifacts.sweeps import sweep_expired_artifacts
     from job_queue.dispatch import dispatch_pending
     from job_queue.sweeps import sweep_stale_workers, sweep_unacknowledged_dispatches
+    from realtime.sweeps import trim_stored_events
     from workers.sweeps import sweep_offline_ephemeral_workers
 
     interval = settings.SIMPLETUNER["HEALTH_CHECK_INTERVAL"]
@@ -31,6 +34,8 @@ def sweep_schedule():
         ("workers.sweep_offline_ephemeral_workers", sweep_offline_ephemeral_workers, interval),
         ("queue.dispatch_pending", dispatch_pending, interval),
         ("artifacts.sweep_expired_artifacts", sweep_expired_artifacts, settings.SIMPLETUNER["ARTIFACT_SWEEP_INTERVAL"]),
+        # stored worker events older than the replay window (24 h); the library trimmed on every event
+        ("realtime.trim_stored_events", trim_stored_events, STORED_EVENT_TRIM_INTERVAL),
     ]
 
 

@@ -260,7 +260,7 @@ else:
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache", "LOCATION": "simpletuner"}}
 CELERY_TASK_IGNORE_RESULT = True
 
-EVENTSTREAM_STORAGE_CLASS = "django_eventstream.storage.DjangoModelStorage"
+EVENTSTREAM_STORAGE_CLASS = "realtime.storage.EventStorage"  # the library's tables, written in our transaction
 EVENTSTREAM_CHANNELMANAGER_CLASS = "realtime.listeners.WorkerChannelManager"
 EVENTSTREAM_ALLOW_ORIGINS = []
 

@@ -80,11 +80,14 @@ def token_authenticate(*, kind, plaintext):
     if not plaintext:
         return None
     now = timezone.now()
-    token = (
-        _active_tokens(kind=kind, plaintext=plaintext, now=now)
-        .select_related("worker", "user")
-        .annotate(touch_due=ExpressionWrapper(_touch_due(now), output_field=BooleanField()))
-        .first()
+    # at most one row (the digest is unique): no ORDER BY, which .first() would compile for every request
+    token = next(
+        iter(
+            _active_tokens(kind=kind, plaintext=plaintext, now=now)
+            .select_related("worker", "user")
+            .annotate(touch_due=ExpressionWrapper(_touch_due(now), output_field=BooleanField()))[:1]
+        ),
+        None,
     )
     if token is None:
         return None

@@ -34,6 +34,8 @@ class JobSubmitView(APIView):
 
 
 def _submitted(request, job, dispatched):
+    if job.submitted_by_id is not None and job.submitted_by_id == request.user.pk:
+        job.submitted_by = request.user  # the submitter, already loaded by authentication: no query to name them
     body = JobSerializer(job, context={"with_reason": True, "request": request}).data
     body["dispatched"] = dispatched
     body["job_id"] = job.pk

@@ -68,15 +68,22 @@ def test_dispatch_assigns_the_job_records_the_attempt_and_sends_job_submit(commi
     assert [r.details["to"] for r in audit_rows(actions.WORKER_STATUS_CHANGED)] == [WorkerStatus.BUSY]
 
 
-def test_no_event_goes_out_before_commit(django_capture_on_commit_callbacks):
+def test_no_event_goes_out_before_commit(django_capture_on_commit_callbacks, pushed):
     job = JobFactory()
-    WorkerFactory()
+    worker = WorkerFactory()
 
     with django_capture_on_commit_callbacks(execute=False) as callbacks:
         dispatch_for_job(job.pk)
 
     assert callbacks, "job_submit must be published on commit"
-    assert sent_events() == []
+    assert pushed == []  # nothing at all: neither the job_submit nor the operators' change feed
+    # stored in the dispatch's own transaction, so it commits (or rolls back) with the dispatch
+    assert [e["data"]["job_id"] for e in sent_events(worker.pk)] == [job.pk]
+    for callback in callbacks:
+        callback()
+    assert [(channel, event.type) for channel, event in pushed if channel.startswith("worker-")] == [
+        (f"worker-{worker.pk}", "job_submit")
+    ]
 
 
 def test_worker_takes_highest_priority_then_oldest_job(commit):

@@ -1,19 +1,26 @@
 """The submit-and-dispatch hot path: one commit, few statements, labels pre-filtered in SQL, same choices."""
 
+import json
 from unittest import mock
 
 import pytest
-from django.db import connection
+from django.db import DatabaseError, connection, transaction
 from django.test.utils import CaptureQueriesContext
+from django_eventstream.models import Event
 
 from audit import actions
 from audit.models import AuditEvent
 from audit.services import Actor
 from job_queue import dispatch
-from job_queue.models import JobStatus
+from job_queue.models import Job, JobStatus
 from job_queue.services import job_submit
+from job_queue.tests.factories import JobFactory, job_on_worker
+from realtime.publish import worker_channel
+from worker_agent import protocol
+from workers import events as worker_events
 from workers.models import WorkerStatus
 from workers.tests.factories import UserFactory, WorkerFactory
+from workers.tests.support import sent_events
 
 OPERATOR_NAME = "alice"
 
@@ -24,36 +31,41 @@ def actor():
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_dispatching_submit_commits_once_with_its_audit_rows(actor):
+def test_a_dispatching_submit_commits_once_with_its_audit_rows_and_its_stored_event(actor):
     # steady state: the audit chain's head row and the worker's event channel exist (a first submit makes them)
     WorkerFactory(name="warm-up")
     job_submit(config_name="c", actor=actor)
     worker = WorkerFactory()
+    worker_events.publish_on_commit(worker.pk, "ping")
     commits = mock.patch.object(connection, "commit", wraps=connection.commit)
     with commits as counted, CaptureQueriesContext(connection) as queries:
         job, dispatched = job_submit(config_name="c", actor=actor)
 
     assert dispatched and job.status == JobStatus.DISPATCHED and job.worker_id == worker.pk
-    statements = [q["sql"] for q in queries.captured_queries]
-    first_event = next(i for i, sql in enumerate(statements) if "django_eventstream" in sql)
-    ours = statements[:first_event]
-    # Two commits: the job, its dispatch and every audit row in one transaction; then, after it, the
-    # event library storing the job_submit it publishes (events leave on commit).
-    assert counted.call_count == 2
-    assert any(sql.startswith('INSERT INTO "queue_job"') for sql in ours)
-    assert any(sql.startswith('UPDATE "queue_job"') for sql in ours)
-    assert any(sql.startswith('INSERT INTO "audit_auditevent"') for sql in ours)
-    assert not any("queue_job" in sql or "audit_" in sql for sql in statements[first_event:])
+    statements = [q["sql"] for q in queries.captured_queries if q["sql"] not in ("BEGIN", "COMMIT", "BEGIN IMMEDIATE")]
+    # One commit: the job, its dispatch, the job_submit it publishes (stored for replay) and every audit
+    # row; only the push to the stream waits for the commit, and it writes nothing.
+    assert counted.call_count == 1
+    assert statements[-1].startswith("UPDATE audit_auditchainhead")
+    first = {kind: next(i for i, sql in enumerate(statements) if sql.startswith(kind)) for kind in (
+        'UPDATE "queue_job"', 'INSERT INTO "django_eventstream_event"', "SELECT seq, chain_hash FROM audit_auditchainhead"
+    )}
+    # the event is stored after the dispatch, before the audit chain's head: the head is the last lock
+    assert first['UPDATE "queue_job"'] < first['INSERT INTO "django_eventstream_event"'] < first["SELECT seq, chain_hash FROM audit_auditchainhead"]
+    assert any(sql.startswith('INSERT INTO "queue_job"') for sql in statements)
+    assert any(sql.startswith('INSERT INTO "audit_auditevent"') for sql in statements)
+    stored = Event.objects.filter(channel=worker_channel(worker.pk), eid__gt=0).order_by("eid").last()
+    assert (stored.type, json.loads(json.loads(stored.data))["job_id"]) == (protocol.JOB_SUBMIT, job.pk)
     # the submission and the dispatch are both on the audit chain, in that order
     assert list(AuditEvent.objects.filter(target_id=job.pk).order_by("seq").values_list("action", flat=True)[:1]) == [
         actions.JOB_SUBMITTED
     ]
     assert AuditEvent.objects.filter(target_id=job.pk, action=actions.JOB_DISPATCHED).count() == 1
-    # a guard against the statement count creeping back (before issue 13: 3 transactions; BEGIN and
-    # COMMIT count on PostgreSQL: 12 now, one of them the stored-config lookup of issue 15; a first
-    # attempt looks up no checkpoint to resume from)
-    assert len(ours) <= 12, "\n".join(ours)
-    assert not any("artifacts_checkpoint" in sql for sql in ours)
+    # a guard against the statement count creeping back (before issue 13: 27 statements in 3 transactions;
+    # then 11 with BEGIN and COMMIT plus the event library's own transaction of 7; now 13 and one commit:
+    # one of them the stored-config lookup of issue 15; a first attempt looks up no checkpoint to resume from)
+    assert len(statements) <= 13, "\n".join(statements)
+    assert not any("artifacts_checkpoint" in sql for sql in statements)
     assert not any(sql.startswith("DECLARE") for sql in statements)  # no server-side cursor for the candidates
     worker.refresh_from_db()
     assert worker.status == WorkerStatus.BUSY and worker.current_job_id == job.pk
@@ -77,8 +89,9 @@ def test_exact_label_selectors_are_matched_in_sql_and_globs_in_python(commit, ac
 
 @pytest.mark.django_db
 def test_candidates_past_the_first_batch_are_still_tried(commit, actor, monkeypatch):
-    monkeypatch.setattr(dispatch, "CANDIDATE_BATCH", 2)
-    for i in range(5):
+    monkeypatch.setattr(dispatch, "FIRST_CANDIDATES", 2)
+    monkeypatch.setattr(dispatch, "CANDIDATE_BATCH", 4)
+    for i in range(7):
         WorkerFactory(name=f"cpu-{i}", labels={"gpu": "none"})
     fitting = WorkerFactory(name="gpu", labels={"gpu": "a100"})
     with commit():
@@ -87,8 +100,86 @@ def test_candidates_past_the_first_batch_are_still_tried(commit, actor, monkeypa
 
 
 @pytest.mark.django_db
+@pytest.mark.parametrize("count", [0, 1, 2, 3, 4, 5, 7])
+def test_the_candidates_are_every_row_once_in_order_across_the_batches(monkeypatch, count):
+    monkeypatch.setattr(dispatch, "FIRST_CANDIDATES", 2)
+    monkeypatch.setattr(dispatch, "CANDIDATE_BATCH", 4)
+    for i in range(count):
+        WorkerFactory(name=f"w-{i}")
+    queryset = dispatch._available_workers().order_by("name")
+    with CaptureQueriesContext(connection) as queries:
+        names = [worker.name for worker in dispatch._candidates(queryset)]
+    assert names == [f"w-{i}" for i in range(count)]
+    # a short first batch ends it; a full one reads the next; a full second one goes on through a cursor
+    assert len(queries) == (1 if count < 2 else 2 if count < 4 else 3)
+
+
+@pytest.mark.django_db
 def test_a_submit_that_finds_no_worker_commits_the_queued_job(actor):
     job, dispatched = job_submit(config_name="c", actor=actor, worker_labels={"team": "nobody"})
     assert not dispatched
     job.refresh_from_db()
     assert job.status == JobStatus.QUEUED and job.worker_id is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_completion_and_the_next_dispatch_to_that_worker_commit_once(worker_client):
+    worker = WorkerFactory()
+    job = job_on_worker(worker, status=JobStatus.RUNNING)
+    following = JobFactory()
+    worker_events.publish_on_commit(worker.pk, "ping")  # the channel exists: steady state
+    commits = mock.patch.object(connection, "commit", wraps=connection.commit)
+    with commits as counted:
+        response = worker_client(worker).post(f"/api/workers/job/{job.pk}/status", {"status": "completed", "attempt": job.lease_id})
+
+    assert response.status_code == 200 and response.json()["status"] == JobStatus.COMPLETED
+    assert counted.call_count == 1  # the completion, the freed worker, the next job's dispatch and its stored job_submit
+    following.refresh_from_db()
+    assert (following.status, following.worker_id) == (JobStatus.DISPATCHED, worker.pk)
+    assert [e["type"] for e in sent_events(worker.pk)] == ["ping", protocol.JOB_SUBMIT]
+
+
+@pytest.mark.django_db
+def test_a_failed_offer_to_the_freed_worker_is_made_again_after_the_commit(worker_client, commit, monkeypatch, caplog):
+    worker = WorkerFactory()
+    job = job_on_worker(worker, status=JobStatus.RUNNING)
+    following = JobFactory()
+    real = dispatch.dispatch_for_worker
+    calls = []
+
+    def failing_once(worker_id, **kwargs):
+        calls.append(worker_id)
+        if len(calls) == 1:
+            with transaction.atomic():  # as the real one: a savepoint, rolled back by the error
+                Job.objects.filter(pk=following.pk).update(priority=99)
+                raise DatabaseError("could not serialize access")
+        return real(worker_id, **kwargs)
+
+    monkeypatch.setattr(dispatch, "dispatch_for_worker", failing_once)
+    with commit():
+        response = worker_client(worker).post(f"/api/workers/job/{job.pk}/status", {"status": "completed", "attempt": job.lease_id})
+        assert response.status_code == 200  # the completion stands
+        assert Job.objects.get(pk=following.pk).status == JobStatus.QUEUED
+
+    assert calls == [worker.pk, worker.pk]
+    job.refresh_from_db()
+    following.refresh_from_db()
+    assert job.status == JobStatus.COMPLETED
+    assert (following.status, following.worker_id, following.priority) == (JobStatus.DISPATCHED, worker.pk, 0)
+    assert "dispatch to freed worker" in caplog.text
+
+
+@pytest.mark.django_db
+def test_a_job_requeued_by_its_report_is_placed_before_its_worker_is_offered_work(worker_client, commit):
+    worker = WorkerFactory()
+    job = job_on_worker(worker, status=JobStatus.RUNNING, retry_on_failure=True)
+    other = WorkerFactory(name="other")  # idle, never used: least recently used
+    with commit():
+        response = worker_client(worker).post(
+            f"/api/workers/job/{job.pk}/status", {"status": "failed", "attempt": job.lease_id, "error": "oom"}
+        )
+        assert response.status_code == 200
+        job.refresh_from_db()
+        assert job.status == JobStatus.QUEUED  # not taken back by the worker it failed on in that transaction
+    job.refresh_from_db()
+    assert (job.status, job.worker_id) == (JobStatus.DISPATCHED, other.pk)

@@ -21,6 +21,7 @@ def test_every_sweep_is_scheduled_on_the_health_interval_and_the_ack_sweep_withi
     from artifacts.sweeps import sweep_expired_artifacts
     from job_queue.dispatch import dispatch_pending
     from job_queue.sweeps import sweep_stale_workers, sweep_unacknowledged_dispatches
+    from realtime.sweeps import trim_stored_events
     from workers.sweeps import sweep_offline_ephemeral_workers
 
     settings.SIMPLETUNER = {
@@ -32,6 +33,7 @@ def test_every_sweep_is_scheduled_on_the_health_interval_and_the_ack_sweep_withi
         ("workers.sweep_offline_ephemeral_workers", sweep_offline_ephemeral_workers, 60),
         ("queue.dispatch_pending", dispatch_pending, 60),
         ("artifacts.sweep_expired_artifacts", sweep_expired_artifacts, 3600),  # its own interval
+        ("realtime.trim_stored_events", trim_stored_events, 600),  # a fixed interval: events are kept 24 h
     ]
     settings.SIMPLETUNER = {**settings.SIMPLETUNER, "HEALTH_CHECK_INTERVAL": 20, "DISPATCH_ACK_TIMEOUT": 300}
     assert {name: interval for name, _fn, interval in sweep_schedule()} == {
@@ -40,6 +42,7 @@ def test_every_sweep_is_scheduled_on_the_health_interval_and_the_ack_sweep_withi
         "workers.sweep_offline_ephemeral_workers": 20,
         "queue.dispatch_pending": 20,
         "artifacts.sweep_expired_artifacts": 3600,
+        "realtime.trim_stored_events": 600,
     }
 
 

@@ -33,12 +33,27 @@ def control_messages(monkeypatch):
 
     sent = []
 
-    def capture(channel, kind, data):
+    def capture(channel, kind, data, **_options):
         if channel.startswith(publish.CONTROL_PREFIX):
             sent.append((channel, kind, data))
 
     monkeypatch.setattr(publish, "send_event", capture)
     return sent
+
+
+@pytest.fixture
+def pushed(monkeypatch):
+    """What was pushed to the streams' listeners (the local ones; Redis is bypassed), as ``(channel, event)``.
+
+    A worker event is stored in the transaction that announces it, and pushed only after its commit.
+    """
+    from django_eventstream import eventstream
+    from django_eventstream.views import get_listener_manager
+
+    seen = []
+    monkeypatch.setattr(get_listener_manager(), "add_to_queues", lambda channel, event: seen.append((channel, event)))
+    monkeypatch.setattr(eventstream, "redis_client", None)
+    return seen
 
 
 @pytest.fixture
@@ -57,7 +72,9 @@ def operator_changes(monkeypatch):
 def sent_events(worker_id=None):
     """Return what django-eventstream stored, oldest first, as ``{"channel", "type", "data"}`` dicts.
 
-    Only reliable (stored) channels appear; the library's ``eid=0`` placeholder rows are left out.
+    Only reliable (stored) channels appear; the library's ``eid=0`` placeholder rows are left out. An
+    event is stored in the transaction that announced it (``realtime.storage``): what was pushed to the
+    streams, and when, is the ``pushed`` fixture's.
     """
     rows = Event.objects.filter(eid__gt=0).order_by("id")
     if worker_id is not None:

@@ -1,0 +1,83 @@
+"""Where worker events are stored: django-eventstream's own tables, written in two statements in the caller's transaction.
+
+The library's ``DjangoModelStorage`` stores an event in a transaction of its own after ours commits (the
+counter read, a ``SELECT … FOR UPDATE`` of it, the event, the counter's update, a commit) and then looks for
+old events to trim, on every event. ``EventStorage`` keeps the library's tables, ids and reads, and
+differs in three ways:
+
+- an append is one ``UPDATE … RETURNING`` of the channel's counter and one INSERT, in the caller's
+  transaction if there is one, so a dispatch and the ``job_submit`` it publishes commit together
+  (``realtime.publish.stage_worker_event``);
+- the counter row stays locked until that commit, so a channel's event ids are given and made visible in
+  commit order, as the library's own lock makes them;
+- old events are trimmed by a sweep (``realtime.sweeps.trim_stored_events``), not on every append.
+
+The library's ``send_event`` still publishes every event (Redis or the local listeners); for an event
+already stored in the transaction, ``published_as`` hands the stored one back instead of storing it twice.
+"""
+
+import json
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+from django.core.serializers.json import DjangoJSONEncoder
+from django.db import connection, transaction
+from django.utils import timezone
+from django_eventstream import storage as library_storage
+from django_eventstream.event import Event
+from django_eventstream.models import Event as StoredEvent
+from django_eventstream.models import EventCounter
+
+_COUNTERS = EventCounter._meta.db_table
+_EVENTS = StoredEvent._meta.db_table
+
+_prestored = ContextVar("prestored_event", default=None)
+
+
+class EventStorage(library_storage.DjangoModelStorage):
+    """``DjangoModelStorage`` whose append joins the caller's transaction (see the module's docstring)."""
+
+    def append_event(self, channel, event_type, data):
+        prestored = _prestored.get()
+        if prestored is not None and prestored.channel == channel and prestored.type == event_type:
+            _prestored.set(None)
+            return prestored
+        stored = json.dumps(data, cls=DjangoJSONEncoder)  # as the library stores it
+        with transaction.atomic(savepoint=False):
+            eid = _next_event_id(channel)
+            StoredEvent(channel=channel, type=event_type, data=stored, eid=eid).save()
+        return Event(channel, event_type, data, id=eid)
+
+
+def _next_event_id(channel):
+    """Move ``channel``'s counter on by one and return the new id; the row stays locked until commit.
+
+    A channel's first event makes its counter and the library's id-0 placeholder (so a stream that starts
+    at 0 can be read from), exactly once however many transactions race for it.
+    """
+    now = timezone.now()
+    with connection.cursor() as cursor:
+        for _ in range(2):
+            cursor.execute(
+                f"UPDATE {_COUNTERS} SET value = value + 1, updated = %s WHERE name = %s RETURNING value", [now, channel]
+            )
+            row = cursor.fetchone()
+            if row is not None:
+                return row[0]
+            cursor.execute(
+                f"INSERT INTO {_COUNTERS} (name, value, updated) VALUES (%s, 0, %s) ON CONFLICT (name) DO NOTHING RETURNING id",
+                [channel, now],
+            )
+            if cursor.fetchone() is not None:
+                StoredEvent.objects.bulk_create([StoredEvent(channel=channel, eid=0)])  # not save(): it would count
+    raise RuntimeError(f"event counter of {channel} could not be made")  # another transaction deleted it meanwhile
+
+
+@contextmanager
+def published_as(event):
+    """While open, the storage's next append of ``event``'s channel and type returns ``event`` (stored already)."""
+    token = _prestored.set(event)
+    try:
+        yield
+    finally:
+        _prestored.reset(token)
