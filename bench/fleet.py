@@ -183,6 +183,8 @@ ROWS = [
     ("dispatch p50/p99/max ms, 0 idle", lambda r: fmt_lat(r.get("latency_0"))),
     ("dispatch p50/p99/max ms, fleet idle", lambda r: fmt_lat(r.get("latency_fleet"))),
     ("  (idle fleet size)", lambda r: str(r.get("latency_fleet", {}).get("fleet", "-"))),
+    ("  submits never dispatched (lost)", lambda r: "-" if "latency_0" not in r else
+     f"{r['latency_0'].get('lost', 0)} + {r.get('latency_fleet', {}).get('lost', 0)}"),
     ("lifecycle jobs/s", lambda r: str(r.get("throughput", {}).get("jobs_per_s", "-"))),
     ("  submit->completed p50/p99/max ms", lambda r: fmt_lat(r.get("throughput", {}).get("submit_to_completed"))),
     ("heartbeats answered/s (offered)", lambda r: "-" if "heartbeats" not in r else
