@@ -57,3 +57,25 @@ def test_fleet_smoke_postgres_redis_two_processes(tmp_path, postgres_url, redis_
     # rotating the token through one process closed the stream held by the other
     assert so["token_rotation"]["rotate_status"] == 200
     assert so["token_rotation"]["stream_closed_after_s"] is not None
+
+
+def run_dispatch_cost(env):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "dispatch_cost.py"), "--runs", "3", "--workers", "3"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return {line.split()[0]: line for line in proc.stdout.splitlines() if line.startswith(("submit", "completion"))}
+
+
+def test_dispatch_cost_runs_and_each_operation_commits_once_on_sqlite():
+    lines = run_dispatch_cost({k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")})
+    # the dispatch and its stored job_submit in one commit; a completion and the next dispatch in one
+    assert lines["submit"].endswith("1 commit(s)") and lines["completion"].endswith("1 commit(s)"), lines
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+def test_dispatch_cost_runs_and_each_operation_commits_once_on_postgres(postgres_url, redis_url):
+    lines = run_dispatch_cost(dict(os.environ))
+    assert lines["submit"].endswith("1 commit(s)") and lines["completion"].endswith("1 commit(s)"), lines

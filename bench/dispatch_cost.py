@@ -1,0 +1,143 @@
+"""Time the dispatch hot path in one process, without HTTP: statements, commits and milliseconds.
+
+Usage:  python bench/dispatch_cost.py [--workers 200] [--runs 300] [--verbose]
+
+Two operations, each run through the real services with its commit callbacks (the push to the
+worker's stream: the local listeners, or Redis when REDIS_URL is set):
+
+- **submit**: ``job_submit`` of a job that one of ``--workers`` idle, stream-connected workers takes at
+  once (the operator's submit without the HTTP request around it);
+- **completion**: ``job_report`` of ``completed`` from a worker whose job ran, with a backlog of queued
+  jobs, so the report also hands the worker its next job.
+
+Each worker's event channel already holds an event (the steady state of a live fleet). The first run
+of each is not timed; it counts the statements (BEGIN and COMMIT included where the backend sends them)
+and the commits. Builds a throwaway database like ``sweep_cost.py``: SQLite in a temporary directory by
+default, or a scratch database on DATABASE_URL's PostgreSQL server. Run the same file from another
+checkout (copy it into that checkout's bench/) for a before/after.
+"""
+
+import argparse
+import gc
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from sweep_cost import percentile, scratch_database  # noqa: E402
+
+
+def counted(operation, verbose=False):
+    """Run ``operation()`` once; return ``(statements, commits)`` it caused."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    with mock.patch.object(connection, "commit", wraps=connection.commit) as commits, CaptureQueriesContext(connection) as captured:
+        operation()
+    if verbose:
+        for query in captured.captured_queries:
+            print(f"    {float(query['time']) * 1000:6.2f} ms  {query['sql'][:150]}")
+    return len(captured), commits.call_count
+
+
+def timed(operation, runs, prepare=None):
+    """Return the milliseconds of ``runs`` calls of ``operation`` (``prepare()`` before each, not timed)."""
+    timings = []
+    for _ in range(runs):
+        if prepare is not None:
+            prepare()
+        gc.collect()
+        started = time.perf_counter()
+        operation()
+        timings.append((time.perf_counter() - started) * 1000)
+    return timings
+
+
+def report(name, timings, statements, commits):
+    print(
+        f"{name:12s} median {statistics.median(timings):6.2f} ms   p90 {percentile(timings, 0.9):6.2f} ms   "
+        f"{statements} statements, {commits} commit(s)",
+        flush=True,
+    )
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=200, help="idle stream-connected workers")
+    parser.add_argument("--runs", type=int, default=300, help="timed runs of each operation")
+    parser.add_argument("--verbose", action="store_true", help="print each operation's statements")
+    args = parser.parse_args()
+
+    with scratch_database("st_dispatch_") as db:
+        import django
+        from django.contrib.auth import get_user_model
+
+        from audit.services import Actor
+        from job_queue.models import Job, JobStatus
+        from job_queue.reports import job_report
+        from job_queue.services import job_submit
+        from workers import events as worker_events
+        from workers.models import Worker
+
+        operator = Actor.for_user(get_user_model().objects.create_user(username="bench-operator"), "127.0.0.1")
+        fleet = Worker.objects.bulk_create(
+            [Worker(name=f"bench-{i}", status="idle", stream_id=f"s{i}") for i in range(args.workers + args.runs + 11)]
+        )
+        for worker in fleet:
+            worker_events.publish_on_commit(worker.pk, "ping")  # outside a transaction: stored and pushed now
+        print(
+            f"{db.__class__.__name__}{' + Redis' if os.environ.get('REDIS_URL') else ''}; Python "
+            f"{platform.python_version()}, Django {django.get_version()}; {os.cpu_count()} CPUs; "
+            f"{args.workers:,} idle workers left after the last submit",
+            flush=True,
+        )
+
+        def submit():
+            job, dispatched = job_submit(config_name="bench", config={"steps": 1}, actor=operator)
+            assert dispatched, "no idle worker took the job"
+
+        for _ in range(10):
+            submit()
+        statements, commits = counted(submit, args.verbose)
+        report("submit", timed(submit, args.runs), statements, commits)
+
+        # The completion: one worker, a backlog; each run completes its job, which dispatches the next.
+        Worker.objects.filter(status="idle").update(stream_id=None)  # the fleet leaves: the backlog below queues
+        for _ in range(args.runs + 12):
+            job_submit(config_name="backlog", actor=operator)
+        worker = Worker.objects.create(name="bench-completing", status="idle", stream_id="s")
+        worker_events.publish_on_commit(worker.pk, "ping")
+        from job_queue.dispatch import dispatch_for_worker
+
+        dispatch_for_worker(worker.pk)
+        state = {}
+
+        def running():
+            job = Job.objects.get(worker_id=worker.pk, status=JobStatus.DISPATCHED)
+            job_report(worker_id=worker.pk, job_id=job.pk, data={"status": "running", "attempt": job.lease_id},
+                       actor=Actor.for_worker(worker))
+            state["job"] = job
+
+        def complete():
+            job = state["job"]
+            job_report(worker_id=worker.pk, job_id=job.pk, data={"status": "completed", "attempt": job.lease_id},
+                       actor=Actor.for_worker(worker))
+
+        for _ in range(5):
+            running()
+            complete()
+        running()
+        statements, commits = counted(complete, args.verbose)
+        assert Job.objects.filter(worker_id=worker.pk, status=JobStatus.DISPATCHED).exists(), "no next job dispatched"
+        report("completion", timed(complete, args.runs, prepare=running), statements, commits)
+
+
+if __name__ == "__main__":
+    main()
