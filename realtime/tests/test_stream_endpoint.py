@@ -252,3 +252,28 @@ def test_the_plain_request_test_refuses_what_django_would_read_otherwise():
         assert stream_endpoint.plain_stream_request(scope_of(headers=plain)) is None
     with override_settings(DISALLOWED_USER_AGENTS=["curl"]):
         assert stream_endpoint.plain_stream_request(scope_of(headers=plain)) is None
+
+
+def test_a_wakeup_behaves_as_the_asyncio_event_the_library_waits_on():
+    from realtime.listeners import Wakeup
+
+    async def run():
+        seen = []
+        for event in (asyncio.Event(), Wakeup()):
+            waiting = asyncio.ensure_future(event.wait())
+            await asyncio.sleep(0)
+            before = (event.is_set(), waiting.done())
+            event.set()
+            woken = await asyncio.wait_for(waiting, 1)
+            already = await asyncio.wait_for(event.wait(), 1)  # set: returns at once
+            event.clear()
+            cancelled = asyncio.ensure_future(event.wait())
+            await asyncio.sleep(0)
+            cancelled.cancel()
+            await asyncio.sleep(0)
+            event.set()  # a cancelled waiter is skipped, not an error
+            seen.append((before, woken, already, cancelled.cancelled(), event.is_set()))
+        return seen
+
+    asyncio_event, wakeup = asyncio.run(run())
+    assert wakeup == asyncio_event == ((False, False), True, True, True, True)
