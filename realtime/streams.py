@@ -14,7 +14,7 @@ from django.http import StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 from django_eventstream.eventstream import get_current_event_id
 from django_eventstream.utils import parse_last_event_id, sse_encode_event
-from django_eventstream.views import Listener, stream
+from django_eventstream.views import stream
 
 from common.http import error_response
 from job_queue.agents import worker_stream_opened
@@ -26,7 +26,7 @@ from workers.throttling import authentication_failed
 
 from .db import in_db_thread
 from .event_requests import event_request_for
-from .listeners import StreamPrincipal
+from .listeners import StreamListener, StreamPrincipal
 from .publish import worker_channel
 
 logger = logging.getLogger(__name__)
@@ -48,6 +48,18 @@ def sse_shutdown(reason, code):
     return sse_encode_event(protocol.SHUTDOWN, event, json_encode=True)
 
 
+def _open_worker(token, claimed_worker_id, stream_id, replaying):
+    """Return ``(token, current event id, None)`` once the stream of ``token``'s worker is marked open, or
+    ``(None, None, refusal)`` where the token belongs to another worker than ``claimed_worker_id``."""
+    worker = token.worker
+    if claimed_worker_id and claimed_worker_id != worker.pk:
+        refusal = f"this token belongs to worker {worker.pk}, not {claimed_worker_id}"
+        return None, None, ("permission_denied", refusal, 403, None)
+    current = get_current_event_id([worker_channel(worker.pk)])
+    worker_stream_opened(worker_id=worker.pk, stream_id=stream_id, replaying=replaying)
+    return token, current, None
+
+
 @in_db_thread
 def _open(request, secret, stream_id, replaying):
     """Return ``(token, current event id, None)`` for the worker's own valid token, else ``(None, None, refusal)``
@@ -63,14 +75,19 @@ def _open(request, secret, stream_id, replaying):
         if wait is not None:
             return None, None, ("throttled", f"{THROTTLED} Expected available in {wait} seconds.", 429, wait)
         return None, None, ("not_authenticated", reason, 401, None)
-    worker = token.worker
-    claimed_worker_id = request.GET.get("worker_id")
-    if claimed_worker_id and claimed_worker_id != worker.pk:
-        refusal = f"this token belongs to worker {worker.pk}, not {claimed_worker_id}"
-        return None, None, ("permission_denied", refusal, 403, None)
-    current = get_current_event_id([worker_channel(worker.pk)])
-    worker_stream_opened(worker_id=worker.pk, stream_id=stream_id, replaying=replaying)
-    return token, current, None
+    return _open_worker(token, request.GET.get("worker_id"), stream_id, replaying)
+
+
+@in_db_thread
+def open_plain(secret, claimed_worker_id, stream_id, replaying):
+    """Like ``_open`` for a request that needs no refusal: return ``(token, current event id)`` once the stream is
+    marked open, or None (the token refused, another worker's id) having changed nothing but the token's
+    last-used mark, so the full view can answer the request from the start."""
+    token = services.token_authenticate(kind=TokenKind.WORKER, plaintext=secret)
+    if token is None:
+        return None
+    token, current, _ = _open_worker(token, claimed_worker_id, stream_id, replaying)
+    return None if token is None else (token, current)
 
 
 @in_db_thread
@@ -82,9 +99,12 @@ def requested_resume(request):
     """Return ``{channel: last id}`` from the request's Last-Event-ID (the header, else the last non-empty
     ``lastEventId`` parameter), ``{}`` without one; raise ValueError for a malformed one. Decided before
     the stream is marked open, so a refused request changes nothing."""
-    last_event_id = request.headers.get("Last-Event-ID") or next(
-        (value for value in reversed(request.GET.getlist("lastEventId")) if value), ""
-    )
+    return resume_from(request.headers.get("Last-Event-ID"), request.GET.getlist("lastEventId"))
+
+
+def resume_from(header, parameters):
+    """``requested_resume`` from the Last-Event-ID ``header`` (or None) and the ``lastEventId`` query ``parameters``."""
+    last_event_id = header or next((value for value in reversed(parameters) if value), "")
     if not last_event_id:
         return {}
     try:
@@ -114,22 +134,35 @@ async def worker_stream(request):
             response["Retry-After"] = str(wait)
         return response
 
+    principal, body = await stream_body(token, stream_id, resume, current_id)
+    request.user = principal  # the library reads request.user; this skips the session lookup
+    response = StreamingHttpResponse(body, content_type="text/event-stream")
+    for header, value in STREAM_HEADERS:
+        response[header] = value
+    return response
+
+
+STREAM_HEADERS = (("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no"))  # the view's own, after Content-Type
+
+
+async def stream_body(token, stream_id, resume, current_id):
+    """Return ``(principal, body)`` for ``token``'s worker stream, just marked open as ``stream_id``: ``body``
+    is the stream's SSE text, an async iterator of str that marks the stream closed again when it ends, however
+    it ends; it gives the events after ``resume``'s id for the worker's channel, else after ``current_id`` (the
+    channel's id read before the stream was marked open). If this raises, the stream is marked closed first.
+    """
     # From here the worker is marked stream-connected: whatever happens, this stream is closed again
     # (a stream that failed to open must never count as open).
     worker_id = token.worker_id
     try:
         principal = StreamPrincipal(token.pk, worker_id)
-        request.user = principal  # the library reads request.user; this skips the session lookup
         channel = worker_channel(worker_id)
         # Without a resume point for this channel, start from the id current *before* the stream was
         # marked open, so an event published in between (a dispatch triggered by the open itself) is
         # read from storage, not lost.
         last_ids = {channel: resume[channel]} if channel in resume else parse_last_event_id(current_id)
         event_request = event_request_for([channel], last_ids, principal)
-        listener = Listener()
-        listener.user_id = principal.pk
-        listener.channels = event_request.channels
-        listener.principal = principal
+        listener = StreamListener(principal, event_request.channels)
     except BaseException:
         await _close(worker_id, stream_id)
         raise
@@ -148,7 +181,4 @@ async def worker_stream(request):
             logger.info("stream closed for worker %s", worker_id)
 
     logger.info("stream opened for worker %s%s", worker_id, " (resuming)" if resume else "")
-    response = StreamingHttpResponse(body(), content_type="text/event-stream")
-    response["Cache-Control"] = "no-cache"
-    response["X-Accel-Buffering"] = "no"
-    return response
+    return principal, body()

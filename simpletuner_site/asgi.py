@@ -18,6 +18,7 @@ from django.core.handlers.asgi import ASGIHandler  # noqa: E402
 from django.db import close_old_connections  # noqa: E402
 
 from job_queue.api.heartbeat import HeartbeatEndpoint  # noqa: E402
+from realtime.stream_endpoint import WorkerStreamEndpoint  # noqa: E402
 from realtime.urls import STREAM_PATHS  # noqa: E402  the worker stream and the operators' change feed
 
 
@@ -77,22 +78,27 @@ class SyncChainASGIHandler(StreamASGIHandler):
 
 
 class StreamAwareASGIHandler:
-    """Stream paths to ``StreamASGIHandler``; a heartbeat to its lean path (``HeartbeatEndpoint``, which hands
-    what it does not answer itself on); everything else (API, admin, static) to ``SyncChainASGIHandler``."""
+    """A worker stream's GET to its lean path (``WorkerStreamEndpoint``) and a heartbeat to its own
+    (``HeartbeatEndpoint``), each handing what it does not answer itself on; the other stream requests to
+    ``StreamASGIHandler``; everything else (API, admin, static) to ``SyncChainASGIHandler``."""
 
     def __init__(self):
         self.streams = StreamASGIHandler()
+        self.worker_streams = WorkerStreamEndpoint(fallback=self.streams)
         self.requests = SyncChainASGIHandler()
         self.heartbeats = HeartbeatEndpoint(fallback=self.requests, executor=lambda: self.requests.threads)
 
-    async def __call__(self, scope, receive, send):
+    _asgi_single_callable = True  # an ASGI 3 application, though ``__call__`` is not itself a coroutine function
+
+    def __call__(self, scope, receive, send):
+        """Return the chosen handler's coroutine, not one awaiting it: one frame less for each open stream."""
+        if self.worker_streams.handles(scope):
+            return self.worker_streams(scope, receive, send)
         if scope["type"] == "http" and scope.get("path") in STREAM_PATHS:
-            await self.streams(scope, receive, send)
-            return
+            return self.streams(scope, receive, send)
         if self.heartbeats.handles(scope):
-            await self.heartbeats(scope, receive, send)
-            return
-        await self.requests(scope, receive, send)
+            return self.heartbeats(scope, receive, send)
+        return self.requests(scope, receive, send)
 
 
 application = StreamAwareASGIHandler()

@@ -13,11 +13,11 @@ import logging
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import DatabaseError, close_old_connections
-from django.http.request import split_domain_port, validate_host
 from rest_framework import exceptions
 from rest_framework.renderers import JSONRenderer
 
 from common.http import API_PREFIX
+from common.lean_asgi import replay, security_headers
 from common.parsers import JSONParser
 from worker_agent import protocol
 from workers.api.serializers import HeartbeatSerializer
@@ -70,41 +70,15 @@ def response_headers(scope, headers):
     """Return the headers ``HeartbeatView`` answers a heartbeat with through the middleware (security headers,
     ``no-store``, DRF's ``Allow``/``Vary``; the length aside), or None where the middleware would answer
     otherwise (a host not allowed, a redirect to HTTPS)."""
-    host = headers.get(b"host")
-    if host is None or b"x-forwarded-host" in headers:
+    security = security_headers(scope, headers)
+    if security is None:
         return None
-    domain, _ = split_domain_port(host.decode("latin-1"))
-    if not domain or not validate_host(domain, settings.ALLOWED_HOSTS):
-        return None  # Django's DisallowedHost
-    secure = scope.get("scheme") == "https"
-    if settings.SECURE_PROXY_SSL_HEADER:
-        name, expected = settings.SECURE_PROXY_SSL_HEADER
-        header = name.removeprefix("HTTP_").replace("_", "-").lower().encode("latin-1")
-        forwarded = headers.get(header)
-        if forwarded is not None:
-            secure = forwarded.decode("latin-1").split(",", 1)[0].strip() == expected
-    if settings.SECURE_SSL_REDIRECT and not secure:
-        return None  # redirected (no exemption covers the API)
     out = [
         (b"Content-Type", b"application/json"),
         (b"Vary", b"Accept"),
         (b"Allow", b"POST, OPTIONS"),
+        *security,
     ]
-    if secure and settings.SECURE_HSTS_SECONDS:
-        hsts = f"max-age={settings.SECURE_HSTS_SECONDS}"
-        if settings.SECURE_HSTS_INCLUDE_SUBDOMAINS:
-            hsts += "; includeSubDomains"
-        if settings.SECURE_HSTS_PRELOAD:
-            hsts += "; preload"
-        out.append((b"Strict-Transport-Security", hsts.encode()))
-    if settings.SECURE_CONTENT_TYPE_NOSNIFF:
-        out.append((b"X-Content-Type-Options", b"nosniff"))
-    if settings.SECURE_REFERRER_POLICY:
-        policy = settings.SECURE_REFERRER_POLICY
-        policy = policy if isinstance(policy, str) else ",".join(policy)
-        out.append((b"Referrer-Policy", policy.encode()))
-    if settings.SECURE_CROSS_ORIGIN_OPENER_POLICY:
-        out.append((b"Cross-Origin-Opener-Policy", settings.SECURE_CROSS_ORIGIN_OPENER_POLICY.encode()))
     if PATH.startswith(API_PREFIX):
         out.append((b"Cache-Control", b"no-store"))
     out.append((b"X-Frame-Options", settings.X_FRAME_OPTIONS.upper().encode()))
@@ -140,10 +114,10 @@ class HeartbeatEndpoint:
             message = await receive()
             chunks.append(message)
             if message["type"] != "http.request":
-                return await self.fallback(scope, _replay(chunks, receive), send)
+                return await self.fallback(scope, replay(chunks, receive), send)
             body += message.get("body", b"")
             if len(body) > most:
-                return await self.fallback(scope, _replay(chunks, receive), send)
+                return await self.fallback(scope, replay(chunks, receive), send)
             if not message.get("more_body"):
                 break
         secret = headers.get(TOKEN_HEADER)
@@ -160,19 +134,8 @@ class HeartbeatEndpoint:
                 secret.decode("latin-1"), data
             )
         if answer is None:
-            return await self.fallback(scope, _replay(chunks, receive), send)
+            return await self.fallback(scope, replay(chunks, receive), send)
         out.append((b"Content-Length", str(len(answer)).encode()))
         await send({"type": "http.response.start", "status": 200, "headers": out})
         await send({"type": "http.response.body", "body": answer})
 
-
-def _replay(messages, receive):
-    """A ``receive`` that gives ``messages`` (already read) again, then reads on."""
-    pending = list(messages)
-
-    async def replay():
-        if pending:
-            return pending.pop(0)
-        return await receive()
-
-    return replay
