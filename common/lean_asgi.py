@@ -4,6 +4,21 @@ from django.conf import settings
 from django.http.request import split_domain_port, validate_host
 
 
+def plain_headers(scope):
+    """Return the request's headers as ``{lower-case name: value}`` (bytes), or None where Django might read the
+    request otherwise than a lean endpoint would: a repeated header (Django joins them), a header name with
+    ``_`` (Django reads ``a_b`` as ``a-b``), a ``root_path``, or ``DISALLOWED_USER_AGENTS`` to check."""
+    if scope.get("root_path") or settings.DISALLOWED_USER_AGENTS:
+        return None
+    headers = {}
+    for name, value in scope.get("headers", ()):
+        name = name.lower()
+        if name in headers or b"_" in name:
+            return None
+        headers[name] = value
+    return headers
+
+
 def security_headers(scope, headers):
     """Return what Django's SecurityMiddleware adds to an answer to this request (HSTS when secure, nosniff,
     Referrer-Policy, Cross-Origin-Opener-Policy; in that order), or None where the middleware would answer

@@ -17,7 +17,7 @@ from django.conf import settings
 from django.core.handlers.asgi import ASGIHandler
 from django.http import QueryDict
 
-from common.lean_asgi import replay, security_headers
+from common.lean_asgi import plain_headers, replay, security_headers
 from worker_agent import protocol
 
 from .streams import STREAM_HEADERS, open_plain, resume_from, stream_body
@@ -30,14 +30,9 @@ def plain_stream_request(scope):
     """Return ``(secret, claimed worker id, resume, head)`` for a stream request the lean path may open, where
     ``head`` is the response's header list as the view and the middleware would give it; None for anything
     Django must answer (or might read otherwise: a repeated header, a header name Django would merge)."""
-    if scope.get("root_path") or settings.DISALLOWED_USER_AGENTS:
+    headers = plain_headers(scope)
+    if headers is None:
         return None
-    headers = {}
-    for name, value in scope.get("headers", ()):
-        name = name.lower()
-        if name in headers or b"_" in name:  # Django joins repeats; it reads "a_b" as "a-b"
-            return None
-        headers[name] = value
     secret = headers.get(TOKEN_HEADER)
     if not secret:
         return None

@@ -17,7 +17,7 @@ from rest_framework import exceptions
 from rest_framework.renderers import JSONRenderer
 
 from common.http import API_PREFIX
-from common.lean_asgi import replay, security_headers
+from common.lean_asgi import plain_headers, replay, security_headers
 from common.parsers import JSONParser
 from worker_agent import protocol
 from workers.api.serializers import HeartbeatSerializer
@@ -101,13 +101,9 @@ class HeartbeatEndpoint:
         return scope["type"] == "http" and scope.get("path") == PATH and scope.get("method") == "POST"
 
     async def __call__(self, scope, receive, send):
-        if scope.get("root_path") or scope.get("query_string"):
+        headers = plain_headers(scope)
+        if headers is None or scope.get("query_string"):  # Django's reading of the request decides
             return await self.fallback(scope, receive, send)
-        headers = {}
-        for name, value in scope.get("headers", ()):
-            if name in headers:  # a repeated header: Django's reading of it decides
-                return await self.fallback(scope, receive, send)
-            headers[name] = value
         body, chunks, message = b"", [], None
         most = settings.SIMPLETUNER["MAX_REQUEST_BYTES"]
         while True:

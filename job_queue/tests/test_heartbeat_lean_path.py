@@ -2,6 +2,7 @@
 without DRF and its transaction, exactly as before; every other heartbeat falls through to ``worker_heartbeat``."""
 
 import json
+import re
 from datetime import timedelta
 
 import pytest
@@ -346,3 +347,22 @@ def test_an_expired_token_is_401(full_path):
     assert status == 401
     assert json.loads(body) == json.loads(post_full({"status": "idle"}, token=secret)[2])  # the same code
     assert _reload(worker).last_heartbeat < timezone.now() - LONG_AGO + timedelta(seconds=1)
+
+
+def test_a_token_header_spelt_with_an_underscore_is_read_as_django_reads_it(full_path):
+    # Django reads "x_worker_token" as X-Worker-Token and joins it with the real one: its reading decides
+    worker = _worker()
+    underscored = protocol.WORKER_TOKEN_HEADER.lower().replace("-", "_").encode()
+    lean = post({"status": "idle"}, token=worker_token(worker), headers=[(underscored, b"wt_not-a-token")])
+    full = post_full({"status": "idle"}, token=worker_token(worker), headers=[(underscored, b"wt_not-a-token")])
+
+    assert full_path == [worker.pk, worker.pk]  # the lean path handed it to Django, as the direct call went
+    assert (lean[0], lean[2]) == (full[0], full[2])
+
+
+def test_disallowed_user_agents_are_checked_by_django(full_path):
+    worker = _worker()
+    with override_settings(DISALLOWED_USER_AGENTS=[re.compile(r"^BadBot")]):
+        status, _, _ = post({"status": "idle"}, token=worker_token(worker), headers=[(b"user-agent", b"BadBot/1.0")])
+    assert status == 403
+    assert full_path == []
