@@ -51,6 +51,7 @@ bench: install
 	$(PY) bench/metrics_cost.py
 	$(PY) bench/admin_cost.py
 	$(PY) bench/dispatch_cost.py
+	$(PY) bench/prepared_cost.py
 
 ## Chaos soak (see RELIABILITY.md): agents and the orchestrator killed while jobs run, then an audit of
 ## lost / twice-completed / inconsistent jobs. SEED=n replays a run's chaos plan; the default is random (printed).

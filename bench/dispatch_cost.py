@@ -8,7 +8,9 @@ worker's stream: the local listeners, or Redis when REDIS_URL is set):
 - **submit**: ``job_submit`` of a job that one of ``--workers`` idle, stream-connected workers takes at
   once (the operator's submit without the HTTP request around it);
 - **completion**: ``job_report`` of ``completed`` from a worker whose job ran, with a backlog of queued
-  jobs, so the report also hands the worker its next job.
+  jobs, so the report also hands the worker its next job;
+- **api submit** and **api completion**: the same two through Django's test client, so with the
+  middleware, DRF and the token's authentication, but no socket and no ASGI server.
 
 Each worker's event channel already holds an event (the steady state of a live fleet). The first run
 of each is not timed; it counts the statements (BEGIN and COMMIT included where the backend sends them)
@@ -62,7 +64,7 @@ def timed(operation, runs, prepare=None):
 
 def report(name, timings, statements, commits):
     print(
-        f"{name:12s} median {statistics.median(timings):6.2f} ms   p90 {percentile(timings, 0.9):6.2f} ms   "
+        f"{name:14s} median {statistics.median(timings):6.2f} ms   p90 {percentile(timings, 0.9):6.2f} ms   "
         f"{statements} statements, {commits} commit(s)",
         flush=True,
     )
@@ -79,16 +81,22 @@ def main():
         import django
         from django.contrib.auth import get_user_model
 
+        from django.test import Client
+
         from audit.services import Actor
         from job_queue.models import Job, JobStatus
         from job_queue.reports import job_report
         from job_queue.services import job_submit
         from workers import events as worker_events
-        from workers.models import Worker
+        from worker_agent import protocol
+        from workers.models import TokenKind, Worker
+        from workers.services import api_token_create, token_issue
 
-        operator = Actor.for_user(get_user_model().objects.create_user(username="bench-operator"), "127.0.0.1")
+        user = get_user_model().objects.create_superuser(username="bench-operator")
+        operator = Actor.for_user(user, "127.0.0.1")
+        client = Client(HTTP_AUTHORIZATION=f"Bearer {api_token_create(user=user, actor=operator)}")
         fleet = Worker.objects.bulk_create(
-            [Worker(name=f"bench-{i}", status="idle", stream_id=f"s{i}") for i in range(args.workers + args.runs + 11)]
+            [Worker(name=f"bench-{i}", status="idle", stream_id=f"s{i}") for i in range(args.workers + 2 * (args.runs + 11))]
         )
         for worker in fleet:
             worker_events.publish_on_commit(worker.pk, "ping")  # outside a transaction: stored and pushed now
@@ -103,14 +111,22 @@ def main():
             job, dispatched = job_submit(config_name="bench", config={"steps": 1}, actor=operator)
             assert dispatched, "no idle worker took the job"
 
+        def api_submit():
+            response = client.post("/api/queue/submit", {"config_name": "bench", "config": {"steps": 1}},
+                                   content_type="application/json")
+            assert response.status_code == 201 and response.json()["dispatched"], response.content
+
         for _ in range(10):
             submit()
+            api_submit()
         statements, commits = counted(submit, args.verbose)
         report("submit", timed(submit, args.runs), statements, commits)
+        statements, commits = counted(api_submit, args.verbose)
+        report("api submit", timed(api_submit, args.runs), statements, commits)
 
         # The completion: one worker, a backlog; each run completes its job, which dispatches the next.
         Worker.objects.filter(status="idle").update(stream_id=None)  # the fleet leaves: the backlog below queues
-        for _ in range(args.runs + 12):
+        for _ in range(2 * args.runs + 24):
             job_submit(config_name="backlog", actor=operator)
         worker = Worker.objects.create(name="bench-completing", status="idle", stream_id="s")
         worker_events.publish_on_commit(worker.pk, "ping")
@@ -130,13 +146,25 @@ def main():
             job_report(worker_id=worker.pk, job_id=job.pk, data={"status": "completed", "attempt": job.lease_id},
                        actor=Actor.for_worker(worker))
 
-        for _ in range(5):
+        def measure_completion(name, operation):
+            for _ in range(5):
+                running()
+                operation()
             running()
-            complete()
-        running()
-        statements, commits = counted(complete, args.verbose)
-        assert Job.objects.filter(worker_id=worker.pk, status=JobStatus.DISPATCHED).exists(), "no next job dispatched"
-        report("completion", timed(complete, args.runs, prepare=running), statements, commits)
+            statements, commits = counted(operation, args.verbose)
+            assert Job.objects.filter(worker_id=worker.pk, status=JobStatus.DISPATCHED).exists(), "no next job dispatched"
+            report(name, timed(operation, args.runs, prepare=running), statements, commits)
+
+        measure_completion("completion", complete)
+        worker_client = Client(**{f"HTTP_{protocol.WORKER_TOKEN_HEADER.upper().replace('-', '_')}": token_issue(kind=TokenKind.WORKER, worker=worker)[1]})
+
+        def api_complete():
+            job = state["job"]
+            response = worker_client.post(protocol.JOB_STATUS_PATH.format(job_id=job.pk),
+                                          {"status": "completed", "attempt": job.lease_id}, content_type="application/json")
+            assert response.status_code == 200, response.content
+
+        measure_completion("api completion", api_complete)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from artifacts import tokens as artifact_tokens
 from audit import actions
 from audit.services import Actor, audit_record, audited_atomic
 from common import outbox
+from common.prepared import PreparedQuery
 from worker_agent import protocol
 from workers import events as worker_events
 from workers.models import Worker, WorkerStatus, WorkerType
@@ -123,8 +124,24 @@ def _available_workers():
     return Worker.objects.filter(status=WorkerStatus.IDLE, current_job__isnull=True, stream_id__isnull=False)
 
 
+# At most one row (by primary key): no ORDER BY. Compiled once: a dispatch runs it for each candidate it tries.
+_LOCK_AVAILABLE_WORKER = PreparedQuery(
+    lambda *, pk: _available_workers().select_for_update(skip_locked=True).filter(pk=pk)[:1]
+)
+
+
 def _lock_available_worker(worker_id):
-    return _available_workers().select_for_update(skip_locked=True).filter(pk=worker_id).first()
+    return _LOCK_AVAILABLE_WORKER.first(pk=str(worker_id))
+
+
+_LOCK_QUEUED_JOB = PreparedQuery(
+    lambda *, pk: Job.objects.select_for_update(skip_locked=True).filter(pk=pk, status=JobStatus.QUEUED)[:1]
+)
+
+
+def _lock_queued_job(job_id):
+    """Return queued job ``job_id`` locked for update, or None (not queued, or locked by another dispatch)."""
+    return _LOCK_QUEUED_JOB.first(pk=str(job_id))
 
 
 def dispatch_for_job(job_id, *, actor=SYSTEM):
@@ -134,7 +151,7 @@ def dispatch_for_job(job_id, *, actor=SYSTEM):
     taken concurrently is skipped. Never dispatches a job twice nor gives a worker two jobs.
     """
     with audited_atomic():
-        job = Job.objects.select_for_update(skip_locked=True).filter(pk=job_id, status=JobStatus.QUEUED).first()
+        job = _lock_queued_job(job_id)
         if job is None:
             return None
         return dispatch_locked_job(job, actor=actor)
@@ -214,7 +231,7 @@ def dispatch_for_worker(worker_id, *, actor=SYSTEM):
         for candidate in _candidates(candidates):
             if not job_fits_worker(candidate, worker):
                 continue
-            job = Job.objects.select_for_update(skip_locked=True).filter(pk=candidate.pk, status=JobStatus.QUEUED).first()
+            job = _lock_queued_job(candidate.pk)
             if job is None:
                 continue
             _assign(job=job, worker=worker, actor=actor)

@@ -11,6 +11,7 @@ from common.errors import InvalidInput, InvalidTransition, NotFound, StaleReport
 from worker_agent import protocol
 from workers import events as worker_events
 from workers.models import Worker
+from workers.services import lock_workers
 
 from .dispatch import redispatch_on_commit, workers_free_and_offer
 from .models import JOB_ACTIVE, JOB_TERMINAL, REPORTED_STATUS, AttemptOutcome, Job, JobStatus
@@ -110,7 +111,7 @@ def _job_report(*, worker_id, job_id, data, actor, holder_id):
     with audited_atomic():
         # Workers before the job, in id order: the order every worker-side service locks in (heartbeat,
         # register, disconnect); the other order deadlocks against a concurrent heartbeat of the same agent.
-        workers = {w.pk: w for w in Worker.objects.select_for_update().filter(pk__in={worker_id, holder_id} - {None}).order_by("pk")}
+        workers = lock_workers({worker_id, holder_id} - {None})
         worker = workers.get(worker_id) or Worker.objects.get(pk=worker_id)  # DoesNotExist: the caller's 404
         job = lock_job(job_id)
         if job is None:

@@ -7,6 +7,7 @@ from audit import actions
 from audit.services import audit_record, audited_atomic
 from common.errors import Conflict, InvalidInput, NotFound
 from common.inputs import GPU_COUNT_MAX, clean_labels
+from common.prepared import PreparedQuery
 from training_configs.services import config_for_submit, config_mark_used
 from worker_agent import protocol
 from workers import events as worker_events
@@ -17,9 +18,14 @@ from .models import JOB_ACTIVE, JOB_RETRYABLE, JOB_TERMINAL, AttemptOutcome, Job
 from .transitions import attempts_finish, jobs_transition
 
 
+# At most one row (by primary key): no ORDER BY. Every report, acknowledgement and operator action on a job
+# takes this lock, so it is compiled once.
+_LOCK_JOB = PreparedQuery(lambda *, pk: Job.objects.select_for_update().filter(pk=pk)[:1])
+
+
 def lock_job(job_id):
     """Return the job row locked for update, or None."""
-    return Job.objects.select_for_update().filter(pk=job_id).first()
+    return _LOCK_JOB.first(pk=str(job_id))  # str(), as the ORM makes a CharField's lookup value
 
 
 def required_gpus(*, gpu_count, config):

@@ -16,6 +16,7 @@ from audit.models import ActorType
 from audit.services import Actor, audit_events, audit_record, audit_write, audited_atomic
 from common.errors import Conflict, InvalidInput, NotFound
 from common.inputs import GPU_COUNT_MAX, GPU_VRAM_GB_MAX, clean_labels, clean_text, text_problem
+from common.prepared import PreparedQuery
 
 from worker_agent import protocol
 
@@ -57,19 +58,34 @@ def token_issue(*, kind, worker=None, user=None, description="", expires_at=None
     return token, plaintext
 
 
-def _active_tokens(*, kind, plaintext, now):
-    """The token of ``kind`` whose secret is ``plaintext``, if it is active at ``now``: not revoked, not expired.
+def _active_tokens(*, kind, plaintext=None, now, digest=None):
+    """The token of ``kind`` whose secret is ``plaintext`` (or whose hash is ``digest``), if it is active at
+    ``now``: not revoked, not expired.
 
     ``token_authenticate`` reads it; ``worker_token_sql`` is the same rule in SQL for the heartbeat's lean path.
     """
-    return Token.objects.filter(kind=kind, digest=hash_token(plaintext.strip()), revoked_at__isnull=True).filter(
+    digest = hash_token(plaintext.strip()) if digest is None else digest
+    return Token.objects.filter(kind=kind, digest=digest, revoked_at__isnull=True).filter(
         Q(expires_at__isnull=True) | Q(expires_at__gt=now)
     )
 
 
-def _touch_due(now):
-    """Whether a token is due to be marked used: never, or not in the last ``TOKEN_TOUCH_INTERVAL_S``."""
-    return Q(last_used_at__isnull=True) | Q(last_used_at__lt=now - timedelta(seconds=TOKEN_TOUCH_INTERVAL_S))
+def _touch_due(touched_before):
+    """Whether a token is due to be marked used: never, or not since ``touched_before`` (``_touched_before``)."""
+    return Q(last_used_at__isnull=True) | Q(last_used_at__lt=touched_before)
+
+
+def _touched_before(now):
+    """A token last used before this, ``TOKEN_TOUCH_INTERVAL_S`` before ``now``, is due to be marked used again."""
+    return now - timedelta(seconds=TOKEN_TOUCH_INTERVAL_S)
+
+
+# At most one row (the digest is unique): no ORDER BY. Run on every authenticated request, so compiled once.
+_AUTHENTICATE = PreparedQuery(
+    lambda *, kind, digest, now, touched_before: _active_tokens(kind=kind, digest=digest, now=now)
+    .select_related("worker", "user")
+    .annotate(touch_due=ExpressionWrapper(_touch_due(touched_before), output_field=BooleanField()))[:1]
+)
 
 
 def token_authenticate(*, kind, plaintext):
@@ -80,14 +96,8 @@ def token_authenticate(*, kind, plaintext):
     if not plaintext:
         return None
     now = timezone.now()
-    # at most one row (the digest is unique): no ORDER BY, which .first() would compile for every request
-    token = next(
-        iter(
-            _active_tokens(kind=kind, plaintext=plaintext, now=now)
-            .select_related("worker", "user")
-            .annotate(touch_due=ExpressionWrapper(_touch_due(now), output_field=BooleanField()))[:1]
-        ),
-        None,
+    token = _AUTHENTICATE.first(
+        kind=kind, digest=hash_token(plaintext.strip()), now=now, touched_before=_touched_before(now)
     )
     if token is None:
         return None
@@ -113,7 +123,7 @@ def worker_token_sql(*, plaintext, now):
 
     table, digest = qn(meta.db_table), hash_token(plaintext.strip())
     moment = meta.get_field("expires_at").get_db_prep_save(now, connection)
-    touched_before = meta.get_field("last_used_at").get_db_prep_save(now - timedelta(seconds=TOKEN_TOUCH_INTERVAL_S), connection)
+    touched_before = meta.get_field("last_used_at").get_db_prep_save(_touched_before(now), connection)
     worker = (
         f"(SELECT {col('worker')} FROM {table} WHERE {col('kind')} = %s AND {col('digest')} = %s"
         f" AND {col('revoked_at')} IS NULL AND ({col('expires_at')} IS NULL OR {col('expires_at')} > %s))"
@@ -178,12 +188,26 @@ def api_tokens_revoke(*, token_ids, actor):
 # --- workers ---------------------------------------------------------------------------------------
 
 
+# At most one row (by primary key): no ORDER BY. Every heartbeat, report and stream of a worker takes this
+# lock, so it is compiled once.
+_LOCK_WORKER = PreparedQuery(lambda *, pk: Worker.objects.select_for_update().filter(pk=pk)[:1])
+
+
 def lock_worker(worker_id):
     """Return the worker row locked for update; raise NotFound if there is none."""
-    try:
-        return Worker.objects.select_for_update().get(pk=worker_id)
-    except Worker.DoesNotExist:
-        raise NotFound(f"worker {worker_id} does not exist") from None
+    worker = _LOCK_WORKER.first(pk=str(worker_id))  # str(), as the ORM makes a CharField's lookup value
+    if worker is None:
+        raise NotFound(f"worker {worker_id} does not exist")
+    return worker
+
+
+def lock_workers(worker_ids):
+    """Return ``{id: worker}`` of those of ``worker_ids`` that exist, locked for update in id order: the order
+    every worker-side service locks in, so two of them never deadlock."""
+    ids = sorted({str(worker_id) for worker_id in worker_ids})
+    if len(ids) == 1:
+        return {worker.pk: worker for worker in _LOCK_WORKER.run(pk=ids[0])}
+    return {worker.pk: worker for worker in Worker.objects.select_for_update().filter(pk__in=ids).order_by("pk")}
 
 
 # --- operator actions -----------------------------------------------------------------------------
@@ -424,7 +448,7 @@ def worker_stream_closed(*, worker_id, stream_id):
     """Forget the stream ``stream_id``: the worker's current stream becomes the newest one still open
     (None when none is), so closing a second stream never strands a worker whose first is open."""
     with transaction.atomic():
-        worker = Worker.objects.select_for_update().filter(pk=worker_id).first()
+        worker = _LOCK_WORKER.first(pk=str(worker_id))
         if worker is None:
             return
         remaining = streams_without(worker.open_streams, stream_id)
