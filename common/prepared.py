@@ -11,7 +11,9 @@ compiler's own converters and ``select_related`` populators, as ``QuerySet.__ite
 
 A query whose SQL depends on the values (``None`` becomes ``IS NULL``, a list an ``IN`` of its length)
 or whose values Django transforms on the way (``__icontains`` wraps them in ``%``) cannot be prepared;
-``PreparedQuery`` refuses it at its first call rather than run different SQL from the ORM's.
+``PreparedQuery`` refuses it at its first call rather than run different SQL from the ORM's. What does
+shape the SQL (a choice of filters, a slice, JSON keys) is passed as positional ``shape`` arguments:
+one compiled plan per shape, up to ``MAX_PLANS``; past that, calls build their queryset as the ORM would.
 """
 
 import copy
@@ -22,6 +24,9 @@ from dataclasses import dataclass
 from django.db import connections, router
 from django.db.models.query import ModelIterable, get_related_populators
 from django.db.transaction import TransactionManagementError
+
+
+MAX_PLANS = 256  # per PreparedQuery: shapes are few (a job target, a slice, a set of label keys)
 
 
 def _identity(connection, value):
@@ -63,10 +68,10 @@ class _Plan:
 
 
 class PreparedQuery:
-    """``build(**values)`` returns a model queryset; ``run(**values)`` returns its rows as a list of instances,
-    ``first(**values)`` the first or None, without building or compiling it again.
+    """``build(*shape, **values)`` returns a model queryset; ``run(*shape, **values)`` returns its rows as a list
+    of instances, ``first(*shape, **values)`` the first or None, without building or compiling it again.
 
-    ``run`` must get the same value names every call; each value a str, int or datetime.
+    ``shape`` is hashable and may change the SQL; each value is a str, int or datetime and must not.
     """
 
     def __init__(self, build):
@@ -74,12 +79,15 @@ class PreparedQuery:
         self._plans = {}
         self._lock = threading.Lock()
 
-    def first(self, **values):
-        rows = self.run(**values)
+    def first(self, *shape, **values):
+        rows = self.run(*shape, **values)
         return rows[0] if rows else None
 
-    def run(self, **values):
-        plan, alias = self._plan(values)
+    def run(self, *shape, **values):
+        prepared = self._plan(shape, values)
+        if prepared is None:
+            return list(self.build(*shape, **values))
+        plan, alias = prepared
         connection = connections[alias]
         if plan.for_update and connection.features.has_select_for_update and connection.get_autocommit():
             raise TransactionManagementError("select_for_update cannot be used outside of a transaction.")
@@ -101,18 +109,19 @@ class PreparedQuery:
             out.append(obj)
         return out
 
-    def _plan(self, values):
-        key = tuple(sorted(values))
+    def _plan(self, shape, values):
+        key = (shape, tuple(sorted(values)))
         prepared = self._plans.get(key)
         if prepared is None:
             with self._lock:
-                prepared = self._plans.get(key) or self._prepare(values)
-                self._plans[key] = prepared
+                prepared = self._plans.get(key)
+                if prepared is None and len(self._plans) < MAX_PLANS:
+                    prepared = self._plans[key] = self._prepare(shape, values)
         return prepared
 
-    def _prepare(self, values):
+    def _prepare(self, shape, values):
         other = {name: _perturbed(name, value, step) for step, (name, value) in enumerate(sorted(values.items()), 1)}
-        first, second = self.build(**values), self.build(**other)
+        first, second = self.build(*shape, **values), self.build(*shape, **other)
         if first._iterable_class is not ModelIterable or first._prefetch_related_lookups or first._known_related_objects:
             raise TypeError("a prepared query returns model instances: no values(), prefetch_related() or known related objects")
         alias = first.db

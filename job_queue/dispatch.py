@@ -157,34 +157,65 @@ def dispatch_for_job(job_id, *, actor=SYSTEM):
         return dispatch_locked_job(job, actor=actor)
 
 
-def _candidates(queryset):
-    """Yield the rows of ``queryset``: the first FIRST_CANDIDATES from one small query (the first nearly always
-    takes the job: labels are pre-filtered in SQL), then up to CANDIDATE_BATCH from a second, and past that
-    the rest through a cursor (on PostgreSQL a server-side cursor costs a DECLARE, a FETCH and a CLOSE).
+def _candidates(rows, *shape, **values):
+    """Yield the rows of the prepared query ``rows`` (its shape ``shape`` then a ``start, stop`` window): the first
+    FIRST_CANDIDATES from one small query (the first nearly always takes the job: labels are pre-filtered in
+    SQL), then up to CANDIDATE_BATCH from a second, and past that the rest through a cursor (on PostgreSQL a
+    server-side cursor costs a DECLARE, a FETCH and a CLOSE).
 
     With a fleet of idle workers, reading 200 rows at once hydrated 200 workers to take the first of them."""
-    first = list(queryset[:FIRST_CANDIDATES])
+    first = rows.run(*shape, 0, FIRST_CANDIDATES, **values)
     yield from first
     if len(first) < FIRST_CANDIDATES:
         return
-    batch = list(queryset[FIRST_CANDIDATES:CANDIDATE_BATCH])
+    batch = rows.run(*shape, FIRST_CANDIDATES, CANDIDATE_BATCH, **values)
     yield from batch
     if len(batch) == CANDIDATE_BATCH - FIRST_CANDIDATES:
         seen = {row.pk for row in first} | {row.pk for row in batch}
-        yield from (row for row in queryset.iterator(chunk_size=CANDIDATE_BATCH) if row.pk not in seen)
+        everything = rows.build(*shape, 0, None, **values)
+        yield from (row for row in everything.iterator(chunk_size=CANDIDATE_BATCH) if row.pk not in seen)
 
 
 _GLOB = re.compile(r"[*?\[]")
 
 
-def _with_exact_labels(workers, selectors):
-    """Narrow ``workers`` by the selectors holding no glob character (``labels_match`` compares those to the
-    worker's label as plain, case-sensitive text): a pre-filter in SQL; the match itself stays ``job_fits_worker``."""
-    for i, (key, value) in enumerate((selectors or {}).items()):
-        if not _GLOB.search(str(value)):
-            label = Cast(KeyTextTransform(key, "labels"), output_field=TextField())
-            workers = workers.alias(**{f"label_{i}": label}).filter(**{f"label_{i}": str(value)})
-    return workers
+def _exact_labels(selectors):
+    """Return ``{key: text}`` of the selectors holding no glob character: ``labels_match`` compares those to the
+    worker's label as plain, case-sensitive text, so they pre-filter in SQL; the match itself stays ``job_fits_worker``."""
+    return {key: str(value) for key, value in (selectors or {}).items() if not _GLOB.search(str(value))}
+
+
+def _workers_for_job(target, label_keys, start, stop, *, gpu_count, **labels):
+    """Rows ``start:stop`` of the available workers that may take a job of ``target`` needing ``gpu_count`` GPUs,
+    whose label ``label_keys[i]`` is the text ``labels[f"label_{i}"]``, in the order they are offered it: remote
+    before local, then least recently finished first."""
+    workers = _available_workers()
+    for i, key in enumerate(label_keys):
+        label = Cast(KeyTextTransform(key, "labels"), output_field=TextField())
+        workers = workers.alias(**{f"label_{i}": label}).filter(**{f"label_{i}": labels[f"label_{i}"]})
+    return (
+        workers.filter(worker_type__in=TARGET_WORKER_TYPES[target], gpu_count__gte=gpu_count)
+        .annotate(
+            local_last=Case(When(worker_type=WorkerType.LOCAL, then=Value(1)), default=Value(0), output_field=IntegerField())
+        )
+        .order_by("local_last", F("last_job_finished_at").asc(nulls_first=True), "pk")
+        .only("pk", "labels", "gpu_count")[start:stop]
+    )
+
+
+def _jobs_for_worker(worker_type, start, stop, *, gpu_count):
+    """Rows ``start:stop`` of the queued jobs a worker of ``worker_type`` with ``gpu_count`` GPUs may run, highest
+    priority then oldest first."""
+    return (
+        Job.objects.filter(status=JobStatus.QUEUED, target__in=targets_for_worker_type(worker_type), gpu_count__lte=gpu_count)
+        .order_by("-priority", "submitted_at", "pk")
+        .only("pk", "worker_labels", "gpu_count")[start:stop]
+    )
+
+
+# Compiled once per shape (a job's target and exact label keys; a worker's type): every dispatch reads them.
+_WORKERS_FOR_JOB = PreparedQuery(_workers_for_job)
+_JOBS_FOR_WORKER = PreparedQuery(_jobs_for_worker)
 
 
 def dispatch_locked_job(job, *, actor=SYSTEM):
@@ -193,16 +224,9 @@ def dispatch_locked_job(job, *, actor=SYSTEM):
     As ``dispatch_for_job``, in the caller's transaction: a submit creates its job and dispatches it
     in one commit. ``job`` is updated in place.
     """
-    candidates = (
-        _with_exact_labels(_available_workers(), job.worker_labels)
-        .filter(worker_type__in=TARGET_WORKER_TYPES[job.target], gpu_count__gte=job.gpu_count)
-        .annotate(
-            local_last=Case(When(worker_type=WorkerType.LOCAL, then=Value(1)), default=Value(0), output_field=IntegerField())
-        )
-        .order_by("local_last", F("last_job_finished_at").asc(nulls_first=True), "pk")
-        .only("pk", "labels", "gpu_count")
-    )
-    for candidate in _candidates(candidates):
+    exact = _exact_labels(job.worker_labels)
+    labels = {f"label_{i}": text for i, text in enumerate(exact.values())}
+    for candidate in _candidates(_WORKERS_FOR_JOB, job.target, tuple(exact), gpu_count=job.gpu_count, **labels):
         if not job_fits_worker(job, candidate):
             continue
         worker = _lock_available_worker(candidate.pk)
@@ -219,16 +243,7 @@ def dispatch_for_worker(worker_id, *, actor=SYSTEM):
         worker = _lock_available_worker(worker_id)
         if worker is None or worker.drain_requested_at is not None:
             return None
-        candidates = (
-            Job.objects.filter(
-                status=JobStatus.QUEUED,
-                target__in=targets_for_worker_type(worker.worker_type),
-                gpu_count__lte=worker.gpu_count,
-            )
-            .order_by("-priority", "submitted_at", "pk")
-            .only("pk", "worker_labels", "gpu_count")
-        )
-        for candidate in _candidates(candidates):
+        for candidate in _candidates(_JOBS_FOR_WORKER, worker.worker_type, gpu_count=worker.gpu_count):
             if not job_fits_worker(candidate, worker):
                 continue
             job = _lock_queued_job(candidate.pk)

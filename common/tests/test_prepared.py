@@ -10,6 +10,7 @@ from django.db.transaction import TransactionManagementError
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from common import prepared as prepared_module
 from common.prepared import PreparedQuery
 from job_queue.models import Job
 from job_queue.tests.factories import JobFactory
@@ -104,3 +105,21 @@ def test_a_locking_read_outside_a_transaction_is_refused_as_the_orm_refuses_it()
     assert queries[0]["sql"].endswith("FOR UPDATE")
     with pytest.raises(TransactionManagementError):
         prepared.first(pk=job.pk)
+
+
+def test_each_shape_gets_its_own_plan_and_past_the_cap_a_call_runs_the_orm_queryset(monkeypatch):
+    monkeypatch.setattr(prepared_module, "MAX_PLANS", 2)
+    for i in range(3):
+        WorkerFactory(name=f"w{i}")
+    build = mock.Mock(side_effect=lambda start, stop, *, least: Worker.objects.filter(name__gte=least).order_by("name")[start:stop])
+    prepared = PreparedQuery(build)
+
+    def names(*shape, least):
+        return [worker.name for worker in prepared.run(*shape, least=least)]
+
+    assert names(0, 2, least="w0") == ["w0", "w1"]
+    assert names(1, 3, least="w0") == ["w1", "w2"]  # another slice: another plan
+    assert names(0, 2, least="w1") == ["w1", "w2"]  # the first plan, other values
+    assert build.call_count == 4  # two per plan, none per call
+    assert names(2, 3, least="w0") == ["w2"]  # a third shape, past the cap
+    assert build.call_count == 5  # built as the ORM would, and not kept

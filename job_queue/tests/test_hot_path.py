@@ -11,8 +11,9 @@ from django_eventstream.models import Event
 from audit import actions
 from audit.models import AuditEvent
 from audit.services import Actor
+from common.prepared import PreparedQuery
 from job_queue import dispatch
-from job_queue.models import Job, JobStatus
+from job_queue.models import Job, JobStatus, JobTarget
 from job_queue.services import job_submit
 from job_queue.tests.factories import JobFactory, job_on_worker
 from realtime.publish import worker_channel
@@ -75,12 +76,18 @@ def test_a_dispatching_submit_commits_once_with_its_audit_rows_and_its_stored_ev
 def test_exact_label_selectors_are_matched_in_sql_and_globs_in_python(commit, actor):
     WorkerFactory(name="a", labels={"team": "vision", "zone.eu/x__y": "1"})
     b = WorkerFactory(name="b", labels={"team": "nlp", "zone.eu/x__y": "2"})
-    narrowed = dispatch._with_exact_labels(dispatch._available_workers(), {"team": "nlp", "zone.eu/x__y": "2"})
-    assert list(narrowed.values_list("name", flat=True)) == ["b"]
+
+    def narrowed(selectors):
+        exact = dispatch._exact_labels(selectors)
+        labels = {f"label_{i}": text for i, text in enumerate(exact.values())}
+        return [w.name for w in dispatch._WORKERS_FOR_JOB.run(JobTarget.AUTO, tuple(exact), 0, 10, gpu_count=0, **labels)]
+
+    assert narrowed({"team": "nlp", "zone.eu/x__y": "2"}) == ["b"]
+    assert narrowed({"team": "vision", "zone.eu/x__y": "1"}) == ["a"]  # the same plan, other values
     # a glob is left to labels_match: the pre-filter keeps every worker
-    assert dispatch._with_exact_labels(dispatch._available_workers(), {"team": "n*"}).count() == 2
+    assert sorted(narrowed({"team": "n*"})) == ["a", "b"]
     # a pattern that only looks like text in SQL (case differs) matches nothing, as labels_match says
-    assert not dispatch._with_exact_labels(dispatch._available_workers(), {"team": "NLP"}).exists()
+    assert narrowed({"team": "NLP"}) == []
 
     with commit():
         job, dispatched = job_submit(config_name="c", actor=actor, worker_labels={"team": "n?p", "zone.eu/x__y": "2"})
@@ -106,9 +113,9 @@ def test_the_candidates_are_every_row_once_in_order_across_the_batches(monkeypat
     monkeypatch.setattr(dispatch, "CANDIDATE_BATCH", 4)
     for i in range(count):
         WorkerFactory(name=f"w-{i}")
-    queryset = dispatch._available_workers().order_by("name")
+    rows = PreparedQuery(lambda start, stop: dispatch._available_workers().order_by("name")[start:stop])
     with CaptureQueriesContext(connection) as queries:
-        names = [worker.name for worker in dispatch._candidates(queryset)]
+        names = [worker.name for worker in dispatch._candidates(rows)]
     assert names == [f"w-{i}" for i in range(count)]
     # a short first batch ends it; a full one reads the next; a full second one goes on through a cursor
     assert len(queries) == (1 if count < 2 else 2 if count < 4 else 3)
