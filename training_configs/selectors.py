@@ -3,8 +3,14 @@
 from django.db.models import OuterRef, Subquery
 
 from common.errors import InvalidInput
+from common.prepared import PreparedQuery
 
 from .models import VERSION_SEPARATOR, TrainingConfig
+
+
+# Every submit resolves its config name: compiled once.
+_LATEST_VERSION = PreparedQuery(lambda *, name: TrainingConfig.objects.filter(name=name).order_by("-version")[:1])
+_VERSION = PreparedQuery(lambda *, name, version: TrainingConfig.objects.filter(name=name, version=version)[:1])
 
 
 def config_resolve(spec):
@@ -16,10 +22,10 @@ def config_resolve(spec):
         if not raw.isascii() or not raw.isdigit() or len(raw) > 9:
             raise InvalidInput(f"{spec!r}: the version after '@' must be a whole number", code="invalid_config_version")
         version = int(raw)
-    versions = TrainingConfig.objects.filter(name=name)
     if version is None:
-        return versions.order_by("-version").first()
-    found = versions.filter(version=version).first()
+        return _LATEST_VERSION.first(name=name)
+    found = _VERSION.first(name=name, version=version)
+    versions = TrainingConfig.objects.filter(name=name)
     if found is None and versions.exists():
         known = ", ".join(str(v) for v in versions.order_by("version").values_list("version", flat=True))
         raise InvalidInput(f"config {name} has no version {version} (it has {known})", code="unknown_config_version")

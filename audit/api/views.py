@@ -5,11 +5,11 @@ from datetime import timezone as dt_timezone
 
 from django.utils.dateparse import parse_datetime
 from drf_spectacular.utils import OpenApiParameter, extend_schema
-from rest_framework import serializers
 from rest_framework.generics import ListAPIView
 
 from common.http import error_responses, query_param, query_parameter
 from common.errors import InvalidInput
+from common.serializers import ModelSerializer
 
 from ..models import AuditEvent
 from ..permissions import VIEW_AUDIT
@@ -21,7 +21,7 @@ RFC3339 = re.compile(r"\d{4}-\d\d-\d\d[Tt]\d\d:\d\d:\d\d(\.\d+)?([Zz]|[+-]\d\d:\
 TYPED_FILTERS = {"success", "since", "until"}  # present but empty: a 400, not "no filter"
 
 
-class AuditEventSerializer(serializers.ModelSerializer):
+class AuditEventSerializer(ModelSerializer):
     class Meta:
         model = AuditEvent
         fields = [

@@ -8,6 +8,7 @@ from artifacts.selectors import artifacts_for_job, attempt_steps
 from common.fields import BoundedInt, BoundedJSON, BoundedText, Labels, StrictBoolean
 from common.http import api_url
 from common.inputs import GPU_COUNT_MAX
+from common.serializers import ModelSerializer
 
 from ..models import Job, JobAttempt, JobTarget
 from ..selectors import job_waiting_reason
@@ -25,7 +26,7 @@ class JobSubmitSerializer(serializers.Serializer):
     retry_on_failure = StrictBoolean(required=False, default=False)
 
 
-class JobAttemptSerializer(serializers.ModelSerializer):
+class JobAttemptSerializer(ModelSerializer):
     worker_id = serializers.CharField(allow_null=True)
 
     class Meta:
@@ -33,7 +34,7 @@ class JobAttemptSerializer(serializers.ModelSerializer):
         fields = ["number", "lease_id", "worker_id", "worker_name", "dispatched_at", "started_at", "finished_at", "outcome", "error"]
 
 
-class JobSerializer(serializers.ModelSerializer):
+class JobSerializer(ModelSerializer):
     worker_id = serializers.CharField(allow_null=True, read_only=True)
     retry_of = serializers.CharField(source="retry_of_id", allow_null=True, read_only=True)
     submitted_by = serializers.SerializerMethodField()

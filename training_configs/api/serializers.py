@@ -3,6 +3,7 @@
 from rest_framework import serializers
 
 from common.fields import BoundedJSON, BoundedText
+from common.serializers import ModelSerializer
 
 from ..models import NAME_MAX_CHARS, NAME_PATTERN, TrainingConfig
 
@@ -14,7 +15,7 @@ class ConfigCreateSerializer(serializers.Serializer):
     description = BoundedText(max_length=10_000, required=False, allow_blank=True, default="")
 
 
-class ConfigVersionSerializer(serializers.ModelSerializer):
+class ConfigVersionSerializer(ModelSerializer):
     owner = serializers.SerializerMethodField()
     immutable = serializers.BooleanField(read_only=True, help_text="A job used it: editing makes a new version.")
 

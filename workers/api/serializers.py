@@ -16,6 +16,7 @@ from common.fields import (
 )
 from common.http import api_url
 from common.inputs import GPU_COUNT_MAX, GPU_VRAM_GB_MAX, LOG_TAIL_MAX_CHARS, TRAINER_ERROR_MAX_CHARS
+from common.serializers import ModelSerializer
 from worker_agent import protocol
 
 from ..models import Worker, WorkerType
@@ -25,7 +26,7 @@ LOG_LINE_MAX_CHARS = 2000  # as the agent cuts them (worker_agent.runner.MAX_LIN
 ID_MAX_CHARS = 64  # worker, job and attempt ids (the longest column is 40)
 
 
-class WorkerSerializer(serializers.ModelSerializer):
+class WorkerSerializer(ModelSerializer):
     current_job_id = serializers.CharField(read_only=True, allow_null=True)
     draining = serializers.SerializerMethodField()
     stream_connected = serializers.SerializerMethodField()
