@@ -1,9 +1,9 @@
 """Reads of the hot path compiled to SQL once, then run with each call's values.
 
 Building and compiling a queryset (``filter``, ``annotate``, ``select_related``, the compiler's select
-list, joins and WHERE clause) costs 0.3–1 ms of CPU on every call, though the SQL is the same each time
-and only the values differ: on a worker's report, authenticating its token alone was 15% of the
-server's CPU. ``PreparedQuery`` keeps the ORM as the one definition of such a read: it builds the
+list, joins and WHERE clause) costs 0.5–1.4 ms on every call (``bench/prepared_cost.py``), though the
+SQL is the same each time and only the values differ: under the fleet's lifecycle load, authenticating
+tokens alone was 14.5% of the server's CPU. ``PreparedQuery`` keeps the ORM as the one definition of such a read: it builds the
 queryset for the first call's values and for a second set derived from them, compiles both, and
 learns which parameter slots carry which value (the slots equal in both are constants of the query).
 Later calls execute that SQL with the new values and turn rows into model instances with the

@@ -94,10 +94,10 @@ def test_a_query_it_cannot_run_as_the_orm_would_is_refused_at_its_first_call(bui
         PreparedQuery(build).run(**values)
 
 
+@pytest.mark.postgres  # SQLite has no SELECT ... FOR UPDATE: its writers serialize on the database lock
 @pytest.mark.django_db(transaction=True)
-def test_a_locking_read_outside_a_transaction_is_refused_as_the_orm_refuses_it():
-    if not connection.features.has_select_for_update:
-        pytest.skip("SQLite has no SELECT ... FOR UPDATE: its writers serialize on the database lock")
+def test_a_locking_read_outside_a_transaction_is_refused_as_the_orm_refuses_it(postgres_url):
+    assert connection.vendor == "postgresql"  # the test database follows DATABASE_URL
     job = JobFactory()
     prepared = PreparedQuery(lambda *, pk: Job.objects.select_for_update().filter(pk=pk)[:1])
     with transaction.atomic(), CaptureQueriesContext(connection) as queries:
