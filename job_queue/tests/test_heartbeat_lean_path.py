@@ -1,12 +1,15 @@
 """The heartbeat's lean path (``job_queue.api.heartbeat``): a heartbeat that changes no state is answered
 without DRF and its transaction, exactly as before; every other heartbeat falls through to ``worker_heartbeat``."""
 
+import asyncio
 import json
 import re
+import threading
 from datetime import timedelta
 
 import pytest
 from asgiref.sync import async_to_sync
+from django.db import OperationalError, connection
 from django.test import override_settings
 from django.utils import timezone
 
@@ -16,6 +19,7 @@ from audit.models import AuditEvent
 from audit.services import Actor
 from job_queue import agents
 from job_queue.models import JobStatus
+from job_queue.api.heartbeat import LivenessWriter
 from job_queue.tests.factories import JobFactory, job_on_worker
 from simpletuner_site.asgi import SyncChainASGIHandler, application
 from simpletuner_site.tests.asgi_support import asgi_request
@@ -366,3 +370,127 @@ def test_disallowed_user_agents_are_checked_by_django(full_path):
         status, _, _ = post({"status": "idle"}, token=worker_token(worker), headers=[(b"user-agent", b"BadBot/1.0")])
     assert status == 403
     assert full_path == []
+
+
+# --- batches: the heartbeats arriving while one batch is written go together in the next -----------
+
+
+def _gate(monkeypatch):
+    """Hold the first batch on its request thread until ``release`` is set; record each batch's workers and
+    whether it ran in a transaction."""
+    release, batches = threading.Event(), []
+    original = agents.worker_heartbeat_liveness
+
+    def liveness(*, secret, data):
+        if not batches or batches[-1]["done"]:
+            batches.append({"workers": [], "atomic": [], "done": False})
+        batches[-1]["workers"].append(data.get("worker_id"))
+        batches[-1]["atomic"].append(connection.in_atomic_block)
+        if len(batches) == 1:
+            assert release.wait(10)
+        return original(secret=secret, data=data)
+
+    def batched(batch):
+        try:
+            return original_batch(batch)
+        finally:
+            batches[-1]["done"] = True
+
+    original_batch = agents.worker_heartbeats_liveness
+    monkeypatch.setattr(agents, "worker_heartbeat_liveness", liveness)
+    monkeypatch.setattr(agents, "worker_heartbeats_liveness", batched)
+    return release, batches
+
+
+async def _storm(workers, tokens, release, batches):
+    """POST one heartbeat for the first worker, then, while its batch is being written, one for each other
+    worker; release the first batch once every other heartbeat waits."""
+
+    def post_for(worker):
+        return asyncio.ensure_future(_post(application, {"worker_id": worker.pk, "status": "idle"}, token=tokens[worker.pk]))
+
+    async def until(condition):
+        for _ in range(2000):
+            if condition():
+                return
+            await asyncio.sleep(0.005)
+        raise AssertionError("timed out")
+
+    posts = [post_for(workers[0])]
+    await until(lambda: batches)  # the first batch is on its request thread, held there
+    posts += [post_for(worker) for worker in workers[1:]]
+    writer = application.heartbeats.writer()
+    await until(lambda: len(writer.waiting) == len(workers) - 1)
+    release.set()
+    return await asyncio.gather(*posts)
+
+
+def test_heartbeats_arriving_during_a_write_are_recorded_together_in_one_transaction_in_id_order(full_path, monkeypatch):
+    workers = [_worker() for _ in range(6)]
+    tokens = {w.pk: worker_token(w) for w in workers}
+    before = {w.pk: w.last_heartbeat for w in workers}
+    release, batches = _gate(monkeypatch)
+
+    answers = async_to_sync(_storm)(workers, tokens, release, batches)
+
+    assert [status for status, _, _ in answers] == [200] * 6
+    assert [json.loads(body)["status"] for _, _, body in answers] == ["idle"] * 6
+    assert full_path == []  # every one answered by the lean path
+    first, second = batches
+    assert first["workers"] == [workers[0].pk] and first["atomic"] == [False]  # alone: written at once, autocommit
+    assert second["workers"] == sorted(w.pk for w in workers[1:])  # the rest together, in id order
+    assert second["atomic"] == [True] * 5  # in one transaction
+    assert all(_reload(w).last_heartbeat > before[w.pk] for w in workers)
+
+
+def test_a_batch_holds_at_most_max_batch_heartbeats(full_path, monkeypatch):
+    workers = [_worker() for _ in range(6)]
+    tokens = {w.pk: worker_token(w) for w in workers}
+    release, batches = _gate(monkeypatch)
+    monkeypatch.setattr(LivenessWriter, "MAX_BATCH", 2)
+
+    answers = async_to_sync(_storm)(workers, tokens, release, batches)
+
+    assert [status for status, _, _ in answers] == [200] * 6
+    assert [len(batch["workers"]) for batch in batches] == [1, 2, 2, 1]
+    assert full_path == []
+
+
+def test_a_batch_whose_transaction_fails_is_recorded_one_by_one_and_a_failing_heartbeat_takes_the_full_path(monkeypatch, caplog):
+    workers = sorted((_worker() for _ in range(3)), key=lambda w: w.pk)
+    failing = workers[1]
+    tokens = {w.pk: worker_token(w) for w in workers}
+    before = {w.pk: w.last_heartbeat for w in workers}
+    original = agents.worker_heartbeat_liveness
+    calls = []
+
+    def liveness(*, secret, data):
+        calls.append((data["worker_id"], connection.in_atomic_block))
+        if data["worker_id"] == failing.pk:
+            raise OperationalError("could not serialize access")
+        return original(secret=secret, data=data)
+
+    monkeypatch.setattr(agents, "worker_heartbeat_liveness", liveness)
+    batch = [(tokens[w.pk], {"worker_id": w.pk, "status": "idle"}) for w in reversed(workers)]
+
+    answers = agents.worker_heartbeats_liveness(batch)
+
+    assert [answer and answer["status"] for answer in answers] == ["idle", None, "idle"]
+    ids = [w.pk for w in workers]
+    assert calls == [(ids[0], True), (ids[1], True)] + [(pk, False) for pk in reversed(ids)]  # together, then each
+    assert _reload(failing).last_heartbeat == before[failing.pk]
+    assert all(_reload(w).last_heartbeat > before[w.pk] for w in workers if w is not failing)
+    assert "3 heartbeats could not be recorded together (could not serialize access)" in caplog.text
+
+
+def test_a_heartbeat_the_lean_path_cannot_record_is_answered_by_the_full_path(full_path, monkeypatch):
+    worker = _worker()
+
+    def broken(*, secret, data):
+        raise OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(agents, "worker_heartbeat_liveness", broken)
+    status, _, body = post({"worker_id": worker.pk, "status": "idle"}, token=worker_token(worker))
+
+    assert (status, json.loads(body)["status"]) == (200, "idle")
+    assert full_path == [worker.pk]
