@@ -15,6 +15,7 @@ from artifacts.models import Checkpoint
 from audit import actions
 from audit.services import audit_record, audited_atomic
 from common.errors import StaleReport
+from common.pipeline import first_rows
 from worker_agent import protocol
 from workers.models import Worker, WorkerStatus
 from workers.services import (
@@ -153,12 +154,68 @@ def worker_heartbeat_liveness(*, secret, data, now=None):
     audit row, as ``worker_heartbeat`` does for it. Anything else, a token refused included, returns
     None having written nothing: give it to the full path.
     """
+    (answer,) = _record_liveness([(secret, data)], now=now or timezone.now())
+    return answer
+
+
+def worker_heartbeats_liveness(batch):
+    """``worker_heartbeat_liveness`` for each ``(secret, data)`` of ``batch``, in one transaction: one commit
+    (one WAL flush on PostgreSQL, one turn of SQLite's write lock) for them all, and on PostgreSQL their
+    UPDATEs sent in one pipeline (``common.pipeline``); return their answers in order.
+
+    The workers are written in id order (the id each heartbeat claims), the order every worker-side
+    service locks in. Should the transaction fail all the same (a deadlock, a connection lost), none of
+    it is kept and each heartbeat is tried again on its own; one that fails again answers None, for the
+    full path.
+    """
+    if len(batch) > 1:
+        order = sorted(range(len(batch)), key=lambda i: (batch[i][1].get("worker_id") is None, str(batch[i][1].get("worker_id"))))
+        try:
+            with transaction.atomic():
+                answers = _record_liveness([batch[i] for i in order], now=timezone.now())
+            by_index = dict(zip(order, answers))
+            return [by_index[i] for i in range(len(batch))]
+        except DatabaseError as exc:
+            logger.warning("%d heartbeats could not be recorded together (%s); recording each on its own", len(batch), exc)
+    answers = []
+    for secret, data in batch:
+        try:
+            answers.append(worker_heartbeat_liveness(secret=secret, data=data))
+        except DatabaseError:
+            logger.warning("A heartbeat could not be recorded by its lean path; the full path answers it", exc_info=True)
+            answers.append(None)
+    return answers
+
+
+def _record_liveness(batch, *, now):
+    """Write each plain heartbeat of ``batch`` (its guarded UPDATE, sent together with the others); mark the
+    tokens due to be marked used in one more statement; return each one's answer, or None."""
+    statements = [_liveness_statement(secret, data, now) for secret, data in batch]
+    rows = iter(first_rows([statement for statement in statements if statement is not None]))
+    answers, touched = [], []
+    for (secret, _), statement in zip(batch, statements):
+        row = next(rows) if statement is not None else None
+        if row is None:
+            answers.append(None)
+            continue
+        status, drain_requested_at, current_job_id, held_attempt, touch = row
+        if touch:
+            touched.append(secret)
+        answers.append({"status": status, "draining": drain_requested_at is not None, "current_job_id": current_job_id,
+                        "current_attempt": held_attempt})
+    if touched:
+        token_touch(plaintexts=touched, now=now)
+    return answers
+
+
+def _liveness_statement(secret, data, now):
+    """Return ``(sql, params)`` of the guarded UPDATE recording the heartbeat ``data`` sent with the token
+    ``secret``, or None for a heartbeat that is not plain by its body alone (progress, a log tail)."""
     if not secret or data.get("progress") is not None or data.get("log_tail") is not None:
         return None
     reported_job_id = data.get("current_job_id") or None
     attempt = data.get("attempt") or None
     claimed = data.get("worker_id") or None
-    now = now or timezone.now()
     metrics = {k: data[k] for k in protocol.HEARTBEAT_METRIC_FIELDS if k in data}
     token_worker, token_params, touch_due, touch_params = worker_token_sql(plaintext=secret, now=now)
     sql = _liveness_sql(connection.vendor, bool(metrics), claimed is not None, reported_job_id is not None, attempt is not None)
@@ -174,43 +231,7 @@ def worker_heartbeat_liveness(*, secret, data, now=None):
         if attempt is not None:
             params.append(str(attempt))
         params += [_prep(Checkpoint, "last_upload_at", now), str(reported_job_id)]
-    with connection.cursor() as cursor:
-        cursor.execute(sql.format(token_worker=token_worker, touch_due=touch_due), params + touch_params)
-        row = cursor.fetchone()
-    if row is None:
-        return None
-    status, drain_requested_at, current_job_id, held_attempt, touch = row
-    if touch:
-        token_touch(plaintext=secret, now=now)
-    return {"status": status, "draining": drain_requested_at is not None, "current_job_id": current_job_id,
-            "current_attempt": held_attempt}
-
-
-def worker_heartbeats_liveness(batch):
-    """``worker_heartbeat_liveness`` for each ``(secret, data)`` of ``batch``, in one transaction: one commit
-    (one WAL flush on PostgreSQL, one turn of SQLite's write lock) for them all; return their answers in order.
-
-    The workers are written in id order (the id each heartbeat claims), the order every worker-side
-    service locks in. Should the transaction fail all the same (a deadlock, a connection lost), none of
-    it is kept and each heartbeat is tried again on its own; one that fails again answers None, for the
-    full path.
-    """
-    if len(batch) > 1:
-        order = sorted(range(len(batch)), key=lambda i: (batch[i][1].get("worker_id") is None, str(batch[i][1].get("worker_id"))))
-        try:
-            with transaction.atomic():
-                answers = {i: worker_heartbeat_liveness(secret=batch[i][0], data=batch[i][1]) for i in order}
-            return [answers[i] for i in range(len(batch))]
-        except DatabaseError as exc:
-            logger.warning("%d heartbeats could not be recorded together (%s); recording each on its own", len(batch), exc)
-    answers = []
-    for secret, data in batch:
-        try:
-            answers.append(worker_heartbeat_liveness(secret=secret, data=data))
-        except DatabaseError:
-            logger.warning("A heartbeat could not be recorded by its lean path; the full path answers it", exc_info=True)
-            answers.append(None)
-    return answers
+    return sql.format(token_worker=token_worker, touch_due=touch_due), params + touch_params
 
 
 def _prep(model, field, value):

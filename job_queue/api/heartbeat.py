@@ -10,7 +10,8 @@ The UPDATEs are written by one request thread at a time, in batches (``LivenessW
 heartbeats that arrive while one batch is being written go together in the next, in one transaction.
 Written one per request thread, four threads' UPDATEs raced for SQLite's write lock, and a loser sleeps
 in SQLite's busy handler (1, 2, 5, 10... up to 100 ms at a time): at 1,000 heartbeats a second about
-one in fifty waited 20-230 ms. On PostgreSQL each was its own commit, each waiting for a WAL flush.
+one in fifty waited 20-230 ms. On PostgreSQL each was its own commit, each waiting for a WAL flush;
+a batch's UPDATEs are now sent in one pipeline, so they wait for one round trip, not one each.
 """
 
 import asyncio

@@ -11,6 +11,7 @@ import pytest
 from asgiref.sync import async_to_sync
 from django.db import OperationalError, connection
 from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from artifacts.models import Checkpoint
@@ -379,26 +380,21 @@ def _gate(monkeypatch):
     """Hold the first batch on its request thread until ``release`` is set; record each batch's workers and
     whether it ran in a transaction."""
     release, batches = threading.Event(), []
-    original = agents.worker_heartbeat_liveness
+    statement, batched = agents._liveness_statement, agents.worker_heartbeats_liveness
 
-    def liveness(*, secret, data):
-        if not batches or batches[-1]["done"]:
-            batches.append({"workers": [], "atomic": [], "done": False})
+    def gated_statement(secret, data, now):
         batches[-1]["workers"].append(data.get("worker_id"))
         batches[-1]["atomic"].append(connection.in_atomic_block)
         if len(batches) == 1:
             assert release.wait(10)
-        return original(secret=secret, data=data)
+        return statement(secret, data, now)
 
-    def batched(batch):
-        try:
-            return original_batch(batch)
-        finally:
-            batches[-1]["done"] = True
+    def gated_batch(batch):
+        batches.append({"workers": [], "atomic": []})
+        return batched(batch)
 
-    original_batch = agents.worker_heartbeats_liveness
-    monkeypatch.setattr(agents, "worker_heartbeat_liveness", liveness)
-    monkeypatch.setattr(agents, "worker_heartbeats_liveness", batched)
+    monkeypatch.setattr(agents, "_liveness_statement", gated_statement)
+    monkeypatch.setattr(agents, "worker_heartbeats_liveness", gated_batch)
     return release, batches
 
 
@@ -461,16 +457,16 @@ def test_a_batch_whose_transaction_fails_is_recorded_one_by_one_and_a_failing_he
     failing = workers[1]
     tokens = {w.pk: worker_token(w) for w in workers}
     before = {w.pk: w.last_heartbeat for w in workers}
-    original = agents.worker_heartbeat_liveness
+    original = agents._liveness_statement
     calls = []
 
-    def liveness(*, secret, data):
+    def statement(secret, data, now):
         calls.append((data["worker_id"], connection.in_atomic_block))
         if data["worker_id"] == failing.pk:
             raise OperationalError("could not serialize access")
-        return original(secret=secret, data=data)
+        return original(secret, data, now)
 
-    monkeypatch.setattr(agents, "worker_heartbeat_liveness", liveness)
+    monkeypatch.setattr(agents, "_liveness_statement", statement)
     batch = [(tokens[w.pk], {"worker_id": w.pk, "status": "idle"}) for w in reversed(workers)]
 
     answers = agents.worker_heartbeats_liveness(batch)
@@ -486,11 +482,27 @@ def test_a_batch_whose_transaction_fails_is_recorded_one_by_one_and_a_failing_he
 def test_a_heartbeat_the_lean_path_cannot_record_is_answered_by_the_full_path(full_path, monkeypatch):
     worker = _worker()
 
-    def broken(*, secret, data):
+    def broken(secret, data, now):
         raise OperationalError("server closed the connection unexpectedly")
 
-    monkeypatch.setattr(agents, "worker_heartbeat_liveness", broken)
+    monkeypatch.setattr(agents, "_liveness_statement", broken)
     status, _, body = post({"worker_id": worker.pk, "status": "idle"}, token=worker_token(worker))
 
     assert (status, json.loads(body)["status"]) == (200, "idle")
     assert full_path == [worker.pk]
+
+
+def test_a_batch_is_one_update_per_heartbeat_and_one_for_the_tokens_due_to_be_marked_used():
+    workers = [_worker() for _ in range(3)]
+    tokens = {w.pk: worker_token(w) for w in workers}
+    Token.objects.filter(worker=workers[2]).update(last_used_at=timezone.now())  # used just now: not due
+    batch = [(tokens[w.pk], {"worker_id": w.pk, "status": "idle"}) for w in workers]
+
+    with CaptureQueriesContext(connection) as queries:
+        answers = agents.worker_heartbeats_liveness(batch)
+
+    assert [answer["status"] for answer in answers] == ["idle"] * 3
+    writes = [q["sql"] for q in queries.captured_queries if q["sql"].startswith("UPDATE")]
+    assert [sql.split()[1] for sql in writes] == ['"workers_worker"'] * 3 + ['"workers_token"']
+    touched = Token.objects.filter(worker__in=workers[:2])
+    assert touched.count() == 2 and all(token.last_used_at is not None for token in touched)
