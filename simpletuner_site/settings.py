@@ -199,6 +199,8 @@ if DATABASE_URL:
         DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=0, conn_health_checks=True)}
     except Exception as exc:  # dj-database-url raises a handful of types for a bad URL
         raise ImproperlyConfigured(f"DATABASE_URL is not a valid database URL: {exc}") from None
+    if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+        DATABASES["default"]["ENGINE"] = "common.db.sqlite3"  # this process's transactions queued on a lock, as below
     if DB_POOL_SIZE and DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
         # Each checkout is health-checked (CONN_HEALTH_CHECKS), so a connection PostgreSQL dropped is
         # replaced rather than handed to a request. A request waits up to 30 s for a free connection.
@@ -208,7 +210,8 @@ if DATABASE_URL:
 else:
     DATABASES = {
         "default": {
-            "ENGINE": "django.db.backends.sqlite3",
+            # Django's SQLite backend, this process's transactions queued on a lock (common/db/sqlite3)
+            "ENGINE": "common.db.sqlite3",
             "NAME": str(DATA_DIR / "orchestrator.sqlite3"),
             "OPTIONS": {
                 # WAL lets readers (streams, list views) proceed while one writer commits;
@@ -224,7 +227,7 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 # live as long as the process, so each keeps its database connection: SQLite's for CONN_MAX_AGE seconds;
 # PostgreSQL's goes back to the pool after each request. SQLite takes one writer at a time, so more
 # threads there only wait on its lock.
-_SQLITE = DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3"
+_SQLITE = DATABASES["default"]["ENGINE"].endswith("sqlite3")
 REQUEST_THREADS = _env_int("SIMPLETUNER_REQUEST_THREADS", 4 if _SQLITE else max(DB_POOL_SIZE, 4), minimum=1, maximum=1000)
 if _SQLITE:
     DATABASES["default"]["CONN_MAX_AGE"] = 600
