@@ -53,9 +53,10 @@ class DatabaseWrapper(base.DatabaseWrapper):
             self._release_transaction_lock()
             raise
 
-    def _release_transaction_lock(self):
-        """Release the lock unless a transaction is still open on the connection (a COMMIT that failed)."""
-        if self.holds_transaction_lock and (self.connection is None or not self.connection.in_transaction):
+    def _release_transaction_lock(self, *, closed=False):
+        """Release the lock unless a transaction is still open on the connection (a COMMIT that failed);
+        ``closed``: the connection was closed, which ended its transaction."""
+        if self.holds_transaction_lock and (closed or self.connection is None or not self.connection.in_transaction):
             self.holds_transaction_lock = False
             self._transaction_lock.release()
 
@@ -75,6 +76,4 @@ class DatabaseWrapper(base.DatabaseWrapper):
         try:
             return super()._close()
         finally:
-            if self.holds_transaction_lock:  # closing the connection ended its transaction
-                self.holds_transaction_lock = False
-                self._transaction_lock.release()
+            self._release_transaction_lock(closed=True)
