@@ -194,6 +194,10 @@ DATABASE_URL = os.environ.get("DATABASE_URL", "")
 # Django's native support): a request borrows one and gives it back when it ends, instead of opening
 # one (4-5 ms) per request. 0: no pool, a new connection per request.
 DB_POOL_SIZE = _env_int("SIMPLETUNER_DB_POOL_SIZE", 20, minimum=0, maximum=1000)
+# PostgreSQL: the runs of one statement on a connection after which psycopg prepares it on the server. 0:
+# never, and parameters spliced into the statement's text by psycopg (Django's default; what a pooler
+# in transaction mode, such as PgBouncer before 1.21, needs).
+DB_PREPARE_THRESHOLD = _env_int("SIMPLETUNER_DB_PREPARE_THRESHOLD", 2, minimum=0, maximum=1000)
 if DATABASE_URL:
     try:
         DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=0, conn_health_checks=True)}
@@ -207,6 +211,12 @@ if DATABASE_URL:
         DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
             "min_size": min(2, DB_POOL_SIZE), "max_size": DB_POOL_SIZE, "timeout": 30,
         }
+    if DB_PREPARE_THRESHOLD and DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+        # Parameters bound by the server (not spliced into the text by psycopg), and a statement run this
+        # many times on a connection prepared there: parsed and planned once per connection, not per run.
+        DATABASES["default"].setdefault("OPTIONS", {}).update(
+            server_side_binding=True, prepare_threshold=DB_PREPARE_THRESHOLD
+        )
 else:
     DATABASES = {
         "default": {
