@@ -12,6 +12,7 @@ from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
 from .errors import InvalidInput, ServiceError
+from .serializers import Serializer
 from .inputs import NO_NUL_PATTERN, QUERY_PARAM_MAX_CHARS, text_problem
 
 API_PREFIX = "/api/"
@@ -44,7 +45,7 @@ _ERROR_DESCRIPTIONS = {
 }
 
 
-class ErrorSerializer(serializers.Serializer):
+class ErrorSerializer(Serializer):
     """The body of every API error."""
 
     code = serializers.CharField(help_text="Stable machine-readable error code, e.g. `not_found`.")

@@ -1,13 +1,13 @@
 """Operators' worker actions that reach the worker's job or the queue: token rotation, undrain, labels."""
 
 from drf_spectacular.utils import extend_schema
-from rest_framework import serializers
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from audit.services import Actor
 from common.fields import Labels, StrictBoolean
 from common.http import error_responses
+from common.serializers import Serializer
 from workers import permissions as worker_permissions
 from workers.api.serializers import WorkerSerializer, WorkerTokenSerializer
 from workers.api.views import get_worker_or_404
@@ -15,7 +15,7 @@ from workers.api.views import get_worker_or_404
 from .. import fleet
 
 
-class RotateTokenSerializer(serializers.Serializer):
+class RotateTokenSerializer(Serializer):
     force = StrictBoolean(
         default=False,
         help_text="Rotate even while the worker runs a job: the job goes back to the queue without spending a retry.",
@@ -58,7 +58,7 @@ class AdminWorkerUndrainView(APIView):
         return Response(WorkerSerializer(worker, context={"request": request}).data)
 
 
-class WorkerLabelsSerializer(serializers.Serializer):
+class WorkerLabelsSerializer(Serializer):
     labels = Labels(help_text="The worker's new labels, name -> value (they replace the old ones); the rules: README, Limits.")
 
 

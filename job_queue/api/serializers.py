@@ -8,13 +8,13 @@ from artifacts.selectors import artifacts_for_job, attempt_steps
 from common.fields import BoundedInt, BoundedJSON, BoundedText, Labels, StrictBoolean
 from common.http import api_url
 from common.inputs import GPU_COUNT_MAX
-from common.serializers import ModelSerializer
+from common.serializers import ModelSerializer, Serializer
 
 from ..models import Job, JobAttempt, JobTarget
 from ..selectors import job_waiting_reason
 
 
-class JobSubmitSerializer(serializers.Serializer):
+class JobSubmitSerializer(Serializer):
     config_name = BoundedText(max_length=255)
     config = BoundedJSON(types=(dict,), required=False, default=dict)
     dataloader = BoundedJSON(types=(dict, list), required=False, allow_null=True, default=None)
@@ -96,7 +96,7 @@ class JobSerializer(ModelSerializer):
         return job_waiting_reason(job)
 
 
-class ArtifactSerializer(serializers.Serializer):
+class ArtifactSerializer(Serializer):
     key = serializers.CharField()
     size = serializers.IntegerField()
     sha256 = serializers.CharField()

@@ -3,12 +3,12 @@
 from rest_framework import serializers
 
 from common.fields import BoundedJSON, BoundedText
-from common.serializers import ModelSerializer
+from common.serializers import ModelSerializer, Serializer
 
 from ..models import NAME_MAX_CHARS, NAME_PATTERN, TrainingConfig
 
 
-class ConfigCreateSerializer(serializers.Serializer):
+class ConfigCreateSerializer(Serializer):
     name = BoundedText(max_length=NAME_MAX_CHARS, schema_pattern=NAME_PATTERN, trim_whitespace=False)  # checked by the service
     config = BoundedJSON(types=(dict,))
     dataloader = BoundedJSON(types=(dict, list), required=False, allow_null=True, default=None)
@@ -36,7 +36,7 @@ class ConfigSummarySerializer(ConfigVersionSerializer):
         read_only_fields = fields
 
 
-class ConfigDetailSerializer(serializers.Serializer):
+class ConfigDetailSerializer(Serializer):
     name = serializers.CharField()
     latest = serializers.IntegerField()
     versions = ConfigVersionSerializer(many=True)

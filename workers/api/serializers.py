@@ -16,7 +16,7 @@ from common.fields import (
 )
 from common.http import api_url
 from common.inputs import GPU_COUNT_MAX, GPU_VRAM_GB_MAX, LOG_TAIL_MAX_CHARS, TRAINER_ERROR_MAX_CHARS
-from common.serializers import ModelSerializer
+from common.serializers import ModelSerializer, Serializer
 from worker_agent import protocol
 
 from ..models import Worker, WorkerType
@@ -83,7 +83,7 @@ class WorkerSerializer(ModelSerializer):
         return max(len(worker.open_streams or ()), int(worker.stream_id is not None))
 
 
-class WorkerCreateSerializer(serializers.Serializer):
+class WorkerCreateSerializer(Serializer):
     name = BoundedText(max_length=WORKER_NAME_MAX_CHARS)
     worker_type = serializers.ChoiceField(
         choices=[WorkerType.EPHEMERAL, WorkerType.PERSISTENT], default=WorkerType.PERSISTENT
@@ -103,7 +103,7 @@ class WorkerCreatedSerializer(WorkerSerializer):
         return self.context["token"]
 
 
-class RegisterSerializer(serializers.Serializer):
+class RegisterSerializer(Serializer):
     """Both the spec's flat capability fields and the upstream agent's ``gpu_info`` are accepted.
 
     ``gpu_info``'s own fields (``count``, ``vram_gb``...) are bounded like the flat ones by
@@ -126,7 +126,7 @@ class RegisterSerializer(serializers.Serializer):
     cuda_version = BoundedText(required=False, allow_null=True, allow_blank=True, max_length=64)
 
 
-class HeartbeatSerializer(serializers.Serializer):
+class HeartbeatSerializer(Serializer):
     worker_id = BoundedText(required=False, allow_null=True, max_length=ID_MAX_CHARS)
     status = BoundedText(required=False, allow_null=True, max_length=32)
     current_job_id = BoundedText(required=False, allow_null=True, allow_blank=True, max_length=ID_MAX_CHARS)
@@ -147,7 +147,7 @@ class HeartbeatSerializer(serializers.Serializer):
 assert set(protocol.HEARTBEAT_METRIC_FIELDS) <= set(HeartbeatSerializer._declared_fields)
 
 
-class JobStatusReportSerializer(serializers.Serializer):
+class JobStatusReportSerializer(Serializer):
     """A report on a job. What the trainer produced (``error``, ``progress``, ``log_tail``) is cleaned and
     kept, never refused; a ``failed`` report with only ``status``, ``attempt``, ``exit_code`` and a short
     ``error`` (the agent's fallback, ``protocol.minimal_report``) is always accepted."""
@@ -176,21 +176,21 @@ class JobStatusReportSerializer(serializers.Serializer):
     )
 
 
-class WorkerIdSerializer(serializers.Serializer):
+class WorkerIdSerializer(Serializer):
     worker_id = BoundedText(required=False, allow_null=True, max_length=ID_MAX_CHARS)
 
 
 # --- response shapes (documentation only: the views return the services' dicts) -----------------
 
 
-class ResumeJobSerializer(serializers.Serializer):
+class ResumeJobSerializer(Serializer):
     job_id = serializers.CharField()
     status = serializers.CharField()
     attempt = serializers.CharField()
     attempt_number = serializers.IntegerField()
 
 
-class RegisterResponseSerializer(serializers.Serializer):
+class RegisterResponseSerializer(Serializer):
     worker_id = serializers.CharField()
     status = serializers.CharField()
     worker_type = serializers.CharField()
@@ -204,7 +204,7 @@ class RegisterResponseSerializer(serializers.Serializer):
     abandon_job = serializers.CharField(required=False, help_text="The reported job is no longer this worker's.")
 
 
-class HeartbeatResponseSerializer(serializers.Serializer):
+class HeartbeatResponseSerializer(Serializer):
     status = serializers.CharField()
     draining = serializers.BooleanField()
     current_job_id = serializers.CharField(allow_null=True)
@@ -213,25 +213,25 @@ class HeartbeatResponseSerializer(serializers.Serializer):
     )
 
 
-class JobReportResponseSerializer(serializers.Serializer):
+class JobReportResponseSerializer(Serializer):
     job_id = serializers.CharField()
     status = serializers.CharField()
     accepted = serializers.BooleanField()
 
 
-class QueueStateSerializer(serializers.Serializer):
+class QueueStateSerializer(Serializer):
     has_jobs = serializers.BooleanField()
 
 
-class WorkerStatusSerializer(serializers.Serializer):
+class WorkerStatusSerializer(Serializer):
     status = serializers.CharField()
 
 
-class WorkerListSerializer(serializers.Serializer):
+class WorkerListSerializer(Serializer):
     workers = WorkerSerializer(many=True)
 
 
-class WorkerTokenSerializer(serializers.Serializer):
+class WorkerTokenSerializer(Serializer):
     worker_id = serializers.CharField()
     name = serializers.CharField()
     token = serializers.CharField(help_text="The new token; shown only this once. The old one stops working.")
