@@ -120,7 +120,7 @@ def _attempts_end(ends, *, now=None):
         for lease, (outcome, error) in ends.items()
         if lease
     }
-    update_rows(JobAttempt.objects.filter(outcome=AttemptOutcome.PENDING), changes, key="lease_id")
+    update_rows(JobAttempt.objects, changes, key="lease_id", expect={lease: {"outcome": AttemptOutcome.PENDING} for lease in changes})
 
 
 # Outcomes of an attempt taken back without its worker's word; a late completion of one is still good.
