@@ -185,10 +185,10 @@ def _exact_labels(selectors):
     return {key: str(value) for key, value in (selectors or {}).items() if not _GLOB.search(str(value))}
 
 
-def _workers_for_job(target, label_keys, start, stop, *, gpu_count, **labels):
-    """Rows ``start:stop`` of the available workers that may take a job of ``target`` needing ``gpu_count`` GPUs,
-    whose label ``label_keys[i]`` is the text ``labels[f"label_{i}"]``, in the order they are offered it: remote
-    before local, then least recently finished first."""
+def _offered_workers(target, label_keys, *, gpu_count, **labels):
+    """The available workers that may take a job of ``target`` needing ``gpu_count`` GPUs, whose label
+    ``label_keys[i]`` is the text ``labels[f"label_{i}"]``, in the order they are offered it: remote before
+    local, then least recently finished first."""
     workers = _available_workers()
     for i, key in enumerate(label_keys):
         label = Cast(KeyTextTransform(key, "labels"), output_field=TextField())
@@ -199,23 +199,41 @@ def _workers_for_job(target, label_keys, start, stop, *, gpu_count, **labels):
             local_last=Case(When(worker_type=WorkerType.LOCAL, then=Value(1)), default=Value(0), output_field=IntegerField())
         )
         .order_by("local_last", F("last_job_finished_at").asc(nulls_first=True), "pk")
-        .only("pk", "labels", "gpu_count")[start:stop]
     )
+
+
+def _workers_for_job(target, label_keys, start, stop, *, gpu_count, **labels):
+    """Rows ``start:stop`` of ``_offered_workers``, as much of each as matching needs."""
+    return _offered_workers(target, label_keys, gpu_count=gpu_count, **labels).only("pk", "labels", "gpu_count")[start:stop]
+
+
+def _first_worker_for_job(target, label_keys, *, gpu_count, **labels):
+    """The first of ``_offered_workers`` that no other transaction holds, locked (SKIP LOCKED)."""
+    return _offered_workers(target, label_keys, gpu_count=gpu_count, **labels).select_for_update(skip_locked=True)[:1]
+
+
+def _offered_jobs(worker_type, *, gpu_count):
+    """The queued jobs a worker of ``worker_type`` with ``gpu_count`` GPUs may run, highest priority then oldest first."""
+    return Job.objects.filter(
+        status=JobStatus.QUEUED, target__in=targets_for_worker_type(worker_type), gpu_count__lte=gpu_count
+    ).order_by("-priority", "submitted_at", "pk")
 
 
 def _jobs_for_worker(worker_type, start, stop, *, gpu_count):
-    """Rows ``start:stop`` of the queued jobs a worker of ``worker_type`` with ``gpu_count`` GPUs may run, highest
-    priority then oldest first."""
-    return (
-        Job.objects.filter(status=JobStatus.QUEUED, target__in=targets_for_worker_type(worker_type), gpu_count__lte=gpu_count)
-        .order_by("-priority", "submitted_at", "pk")
-        .only("pk", "worker_labels", "gpu_count")[start:stop]
-    )
+    """Rows ``start:stop`` of ``_offered_jobs``, as much of each as matching needs."""
+    return _offered_jobs(worker_type, gpu_count=gpu_count).only("pk", "worker_labels", "gpu_count")[start:stop]
+
+
+def _first_job_for_worker(worker_type, *, gpu_count):
+    """The first of ``_offered_jobs`` that no other transaction holds, locked (SKIP LOCKED)."""
+    return _offered_jobs(worker_type, gpu_count=gpu_count).select_for_update(skip_locked=True)[:1]
 
 
 # Compiled once per shape (a job's target and exact label keys; a worker's type): every dispatch reads them.
 _WORKERS_FOR_JOB = PreparedQuery(_workers_for_job)
 _JOBS_FOR_WORKER = PreparedQuery(_jobs_for_worker)
+_FIRST_WORKER_FOR_JOB = PreparedQuery(_first_worker_for_job)
+_FIRST_JOB_FOR_WORKER = PreparedQuery(_first_job_for_worker)
 
 
 def dispatch_locked_job(job, *, actor=SYSTEM):
@@ -226,6 +244,14 @@ def dispatch_locked_job(job, *, actor=SYSTEM):
     """
     exact = _exact_labels(job.worker_labels)
     labels = {f"label_{i}": text for i, text in enumerate(exact.values())}
+    # The first worker offered, read and locked in one statement, nearly always takes the job (the labels
+    # without globs are matched in SQL). None: every worker that could is taken or held by another dispatch.
+    first = _FIRST_WORKER_FOR_JOB.first(job.target, tuple(exact), gpu_count=job.gpu_count, **labels)
+    if first is None:
+        return None
+    if job_fits_worker(job, first):
+        _assign(job=job, worker=first, actor=actor)
+        return first
     for candidate in _candidates(_WORKERS_FOR_JOB, job.target, tuple(exact), gpu_count=job.gpu_count, **labels):
         if not job_fits_worker(job, candidate):
             continue
@@ -243,6 +269,13 @@ def dispatch_for_worker(worker_id, *, actor=SYSTEM):
         worker = _lock_available_worker(worker_id)
         if worker is None or worker.drain_requested_at is not None:
             return None
+        # As for a job: the first job offered, read and locked in one statement, nearly always fits.
+        first = _FIRST_JOB_FOR_WORKER.first(worker.worker_type, gpu_count=worker.gpu_count)
+        if first is None:
+            return None
+        if job_fits_worker(first, worker):
+            _assign(job=first, worker=worker, actor=actor)
+            return first
         for candidate in _candidates(_JOBS_FOR_WORKER, worker.worker_type, gpu_count=worker.gpu_count):
             if not job_fits_worker(candidate, worker):
                 continue

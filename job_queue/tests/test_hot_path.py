@@ -1,11 +1,13 @@
 """The submit-and-dispatch hot path: one commit, few statements, labels pre-filtered in SQL, same choices."""
 
 import json
+import threading
 from unittest import mock
 
 import pytest
 from django.db import DatabaseError, connection, transaction
 from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
 from django_eventstream.models import Event
 
 from audit import actions
@@ -63,9 +65,11 @@ def test_a_dispatching_submit_commits_once_with_its_audit_rows_and_its_stored_ev
     ]
     assert AuditEvent.objects.filter(target_id=job.pk, action=actions.JOB_DISPATCHED).count() == 1
     # a guard against the statement count creeping back (before issue 13: 27 statements in 3 transactions;
-    # then 11 with BEGIN and COMMIT plus the event library's own transaction of 7; now 13 and one commit:
-    # one of them the stored-config lookup of issue 15; a first attempt looks up no checkpoint to resume from)
-    assert len(statements) <= 13, "\n".join(statements)
+    # then 11 with BEGIN and COMMIT plus the event library's own transaction of 7; then 13 and one commit:
+    # one of them the stored-config lookup of issue 15; a first attempt looks up no checkpoint to resume
+    # from; now 12: the first worker offered is read and locked in one statement)
+    assert len(statements) <= 12, "\n".join(statements)
+    assert sum(1 for sql in statements if sql.startswith('SELECT "workers_worker"')) == 1
     assert not any("artifacts_checkpoint" in sql for sql in statements)
     assert not any(sql.startswith("DECLARE") for sql in statements)  # no server-side cursor for the candidates
     worker.refresh_from_db()
@@ -190,3 +194,45 @@ def test_a_job_requeued_by_its_report_is_placed_before_its_worker_is_offered_wor
         assert job.status == JobStatus.QUEUED  # not taken back by the worker it failed on in that transaction
     job.refresh_from_db()
     assert (job.status, job.worker_id) == (JobStatus.DISPATCHED, other.pk)
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("dispatching", ["a new job", "to a freed worker"])
+def test_the_first_offered_row_held_by_another_transaction_is_skipped_not_waited_for(postgres_url, actor, dispatching):
+    """The first worker (or queued job) offered is read and locked in one statement, SKIP LOCKED: one that
+    another transaction holds is passed over for the next, without waiting for it."""
+    assert connection.vendor == "postgresql"
+    if dispatching == "a new job":
+        # "held" is offered first: the least recently finished (never) goes first
+        held, free = WorkerFactory(name="held"), WorkerFactory(name="free", last_job_finished_at=timezone.now())
+    else:
+        worker = WorkerFactory()
+        held, free = JobFactory(priority=5), JobFactory(priority=1)  # the higher priority is offered first
+    holding, release = threading.Event(), threading.Event()
+
+    def hold():
+        try:
+            with transaction.atomic():
+                list(type(held).objects.select_for_update().filter(pk=held.pk))
+                holding.set()
+                release.wait(30)
+        finally:
+            connection.close()
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    try:
+        assert holding.wait(30)
+        with CaptureQueriesContext(connection) as queries:
+            if dispatching == "a new job":
+                job, dispatched = job_submit(config_name="c", actor=actor)
+                assert dispatched and job.worker_id == free.pk
+            else:
+                assert dispatch.dispatch_for_worker(worker.pk).pk == free.pk
+    finally:
+        release.set()
+        holder.join(30)
+    table = type(held)._meta.db_table
+    locking = [q["sql"] for q in queries.captured_queries if q["sql"].startswith(f'SELECT "{table}"') and "SKIP LOCKED" in q["sql"]]
+    assert len(locking) == 1, locking
