@@ -158,8 +158,8 @@ def _append(events):
             event.seq = seq
             previous = event.chain_hash = link_hash(key, previous, [getattr(event, f) for f in HASHED_FIELDS])
         with connection.cursor() as cursor:
-            _insert(cursor, events)
-            cursor.execute(f"UPDATE {_HEAD_TABLE} SET seq = %s, chain_hash = %s WHERE id = %s", [seq, previous, HEAD_ID])
+            if not _insert(cursor, events, head=(seq, previous)):
+                cursor.execute(_MOVE_HEAD, [seq, previous, HEAD_ID])
     announce_changes_on_commit((event.target_type, event.target_id) for event in events)
     return events
 
@@ -167,11 +167,14 @@ def _append(events):
 _CLIENT_IP = AuditEvent._meta.get_field("client_ip")
 _HEAD_TABLE = AuditChainHead._meta.db_table
 _COLUMNS = (*HASHED_FIELDS, "chain_hash")
+_MOVE_HEAD = f"UPDATE {_HEAD_TABLE} SET seq = %s, chain_hash = %s WHERE id = %s"
 _ROWS_PER_INSERT = 500  # a multi-row VALUES (not PostgreSQL): 6,000 parameters, within SQLite's 32,766 (3.32+)
 
 
-def _insert(cursor, events):
-    """INSERT the chained ``events`` (``_COLUMNS`` set) and give each its id.
+def _insert(cursor, events, *, head):
+    """INSERT the chained ``events`` (``_COLUMNS`` set) and give each its id; return whether the chain's head was
+    moved to ``head`` (``(seq, chain_hash)``) too: on PostgreSQL in the same statement (a data-modifying WITH),
+    elsewhere not (the caller moves it).
 
     Plain SQL rather than ``bulk_create``: the values are already what the chain hashed (``created_at``,
     ``details`` and ``client_ip`` only need the backend's adaptation), and Django's per-field preparation
@@ -195,9 +198,11 @@ def _insert(cursor, events):
     def values(event):
         return [adapt[name](getattr(event, name)) if name in adapt else getattr(event, name) for name in _COLUMNS]
 
+    prefix, prefix_params = "", []
     if connection.vendor == "postgresql":
         arrays = ", ".join(f"(%s)::{field.db_type(connection).split('(')[0]}[]" for field in fields)
         statements = [(f"SELECT * FROM UNNEST({arrays})", list(map(list, zip(*map(values, events)))), events)]
+        prefix, prefix_params = f"WITH moved AS ({_MOVE_HEAD}) ", [*head, HEAD_ID]
     else:
         per_insert = _ROWS_PER_INSERT
         if connection.vendor == "sqlite":  # an older SQLite allows 999 parameters per statement
@@ -210,7 +215,7 @@ def _insert(cursor, events):
             for chunk in chunks
         ]
     for rows, params, chunk in statements:
-        sql = f"INSERT INTO {table} ({columns}) {rows}"
+        sql, params = f"{prefix}INSERT INTO {table} ({columns}) {rows}", [*prefix_params, *params]
         if connection.features.can_return_rows_from_bulk_insert:
             cursor.execute(f"{sql} RETURNING {ops.quote_name('id')}, {ops.quote_name('seq')}", params)
         else:
@@ -221,6 +226,7 @@ def _insert(cursor, events):
             event.pk = ids[event.seq]
             event._state.adding = False
             event._state.db = connection.alias
+    return bool(prefix)
 
 
 def _lock_head():

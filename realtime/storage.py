@@ -1,12 +1,12 @@
-"""Where worker events are stored: django-eventstream's own tables, written in two statements in the caller's transaction.
+"""Where worker events are stored: django-eventstream's own tables, written in the caller's transaction.
 
 The library's ``DjangoModelStorage`` stores an event in a transaction of its own after ours commits (the
 counter read, a ``SELECT … FOR UPDATE`` of it, the event, the counter's update, a commit) and then looks for
 old events to trim, on every event. ``EventStorage`` keeps the library's tables, ids and reads, and
 differs in three ways:
 
-- an append is one ``UPDATE … RETURNING`` of the channel's counter and one INSERT, in the caller's
-  transaction if there is one, so a dispatch and the ``job_submit`` it publishes commit together
+- an append is one ``UPDATE … RETURNING`` of the channel's counter and one INSERT (on PostgreSQL one
+  statement holding both), in the caller's transaction if there is one, so a dispatch and the ``job_submit`` it publishes commit together
   (``realtime.publish.stage_worker_event``);
 - the counter row stays locked until that commit, so a channel's event ids are given and made visible in
   commit order, as the library's own lock makes them;
@@ -44,9 +44,26 @@ class EventStorage(library_storage.DjangoModelStorage):
             return prestored
         stored = json.dumps(data, cls=DjangoJSONEncoder)  # as the library stores it
         with transaction.atomic(savepoint=False):
-            eid = _next_event_id(channel)
-            StoredEvent(channel=channel, type=event_type, data=stored, eid=eid).save()
+            eid = _counted_insert(channel, event_type, stored) if connection.vendor == "postgresql" else None
+            if eid is None:
+                eid = _next_event_id(channel)
+                StoredEvent(channel=channel, type=event_type, data=stored, eid=eid).save()
         return Event(channel, event_type, data, id=eid)
+
+
+def _counted_insert(channel, event_type, stored):
+    """PostgreSQL: move ``channel``'s counter on and store the event under the new id in one statement (a
+    data-modifying WITH); return the id, or None if the channel has no counter yet (then ``_next_event_id``)."""
+    now = timezone.now()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"WITH counted AS (UPDATE {_COUNTERS} SET value = value + 1, updated = %s WHERE name = %s RETURNING value) "
+            f'INSERT INTO "{_EVENTS}" ("channel", "type", "data", "eid", "created") '
+            "SELECT %s, %s, %s, value, %s FROM counted RETURNING eid",
+            [now, channel, channel, event_type, stored, now],
+        )
+        row = cursor.fetchone()
+    return None if row is None else row[0]
 
 
 def _next_event_id(channel):

@@ -49,14 +49,15 @@ def test_a_dispatching_submit_commits_once_with_its_audit_rows_and_its_stored_ev
     # One commit: the job, its dispatch, the job_submit it publishes (stored for replay) and every audit
     # row; only the push to the stream waits for the commit, and it writes nothing.
     assert counted.call_count == 1
-    assert statements[-1].startswith("UPDATE audit_auditchainhead")
-    first = {kind: next(i for i, sql in enumerate(statements) if sql.startswith(kind)) for kind in (
+    # the chain's head moves last: in a statement of its own, or (PostgreSQL) in the audit rows' INSERT
+    assert "UPDATE audit_auditchainhead" in statements[-1]
+    first = {kind: next(i for i, sql in enumerate(statements) if kind in sql) for kind in (
         'UPDATE "queue_job"', 'INSERT INTO "django_eventstream_event"', "SELECT seq, chain_hash FROM audit_auditchainhead"
     )}
     # the event is stored after the dispatch, before the audit chain's head: the head is the last lock
     assert first['UPDATE "queue_job"'] < first['INSERT INTO "django_eventstream_event"'] < first["SELECT seq, chain_hash FROM audit_auditchainhead"]
     assert any(sql.startswith('INSERT INTO "queue_job"') for sql in statements)
-    assert any(sql.startswith('INSERT INTO "audit_auditevent"') for sql in statements)
+    assert any('INSERT INTO "audit_auditevent"' in sql for sql in statements)
     stored = Event.objects.filter(channel=worker_channel(worker.pk), eid__gt=0).order_by("eid").last()
     assert (stored.type, json.loads(json.loads(stored.data))["job_id"]) == (protocol.JOB_SUBMIT, job.pk)
     # the submission and the dispatch are both on the audit chain, in that order
@@ -67,8 +68,9 @@ def test_a_dispatching_submit_commits_once_with_its_audit_rows_and_its_stored_ev
     # a guard against the statement count creeping back (before issue 13: 27 statements in 3 transactions;
     # then 11 with BEGIN and COMMIT plus the event library's own transaction of 7; then 13 and one commit:
     # one of them the stored-config lookup of issue 15; a first attempt looks up no checkpoint to resume
-    # from; now 12: the first worker offered is read and locked in one statement)
-    assert len(statements) <= 12, "\n".join(statements)
+    # from; then 12: the first worker offered is read and locked in one statement; on PostgreSQL 10: the
+    # event's counter and row in one statement, the audit rows and the chain's head in one)
+    assert len(statements) <= (10 if connection.vendor == "postgresql" else 12), "\n".join(statements)
     assert sum(1 for sql in statements if sql.startswith('SELECT "workers_worker"')) == 1
     assert not any("artifacts_checkpoint" in sql for sql in statements)
     assert not any(sql.startswith("DECLARE") for sql in statements)  # no server-side cursor for the candidates

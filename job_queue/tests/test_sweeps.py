@@ -203,7 +203,7 @@ def test_sweep_cost_does_not_grow_with_the_number_of_jobs():
 
 
 def _audit_inserts(captured):
-    return len([q for q in captured.captured_queries if q["sql"].startswith('INSERT INTO "audit_auditevent"')])
+    return len([q for q in captured.captured_queries if 'INSERT INTO "audit_auditevent"' in q["sql"]])
 
 
 def test_sweep_over_30_jobs_is_a_handful_of_queries(django_assert_max_num_queries):
