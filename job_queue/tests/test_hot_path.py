@@ -68,9 +68,9 @@ def test_a_dispatching_submit_commits_once_with_its_audit_rows_and_its_stored_ev
     # a guard against the statement count creeping back (before issue 13: 27 statements in 3 transactions;
     # then 11 with BEGIN and COMMIT plus the event library's own transaction of 7; then 13 and one commit:
     # one of them the stored-config lookup of issue 15; a first attempt looks up no checkpoint to resume
-    # from; then 12: the first worker offered is read and locked in one statement; on PostgreSQL 10: the
+    # from; now 11: the first worker offered is read and locked in one statement; on PostgreSQL 9: the
     # event's counter and row in one statement, the audit rows and the chain's head in one)
-    assert len(statements) <= (10 if connection.vendor == "postgresql" else 12), "\n".join(statements)
+    assert len(statements) <= (9 if connection.vendor == "postgresql" else 11), "\n".join(statements)
     assert sum(1 for sql in statements if sql.startswith('SELECT "workers_worker"')) == 1
     assert not any("artifacts_checkpoint" in sql for sql in statements)
     assert not any(sql.startswith("DECLARE") for sql in statements)  # no server-side cursor for the candidates
