@@ -49,12 +49,12 @@ def main():
             now = timezone.now()
             due = ExpressionWrapper(services._touch_due(services._touched_before(now)), output_field=BooleanField())
             tokens = services._active_tokens(kind=TokenKind.WORKER, digest=digest, now=now)
-            return next(iter(tokens.select_related("worker", "user").annotate(touch_due=due)[:1]))
+            return next(iter(tokens.select_related("worker").annotate(touch_due=due)[:1]))
 
         def prepared_authentication():
             now = timezone.now()
             return services._AUTHENTICATE.first(
-                kind=TokenKind.WORKER, digest=digest, now=now, touched_before=services._touched_before(now)
+                TokenKind.WORKER, digest=digest, now=now, touched_before=services._touched_before(now)
             )
 
         def orm_lock_job():

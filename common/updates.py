@@ -125,6 +125,7 @@ class _OneRowPlans:
         """UPDATE row ``row`` (``key``) of ``queryset`` with ``values`` while it holds ``held``; return the rows
         written, or None where this shape is not planned (the caller takes the ORM's path)."""
         queryset = queryset.all()
+        queryset._for_write = True  # its database is the one the ORM's update() would write to
         query = queryset.query
         if not values or query.where or query.is_sliced or any(_is_expression(v) for v in values.values()):
             return None

@@ -80,10 +80,14 @@ def _touched_before(now):
     return now - timedelta(seconds=TOKEN_TOUCH_INTERVAL_S)
 
 
-# At most one row (the digest is unique): no ORDER BY. Run on every authenticated request, so compiled once.
+# The one owner a token of each kind has (a constraint on Token): the one its authentication joins.
+_OWNER = {TokenKind.WORKER: "worker", TokenKind.API: "user"}
+
+# At most one row (the digest is unique): no ORDER BY. Run on every authenticated request, so compiled once
+# per kind.
 _AUTHENTICATE = PreparedQuery(
-    lambda *, kind, digest, now, touched_before: _active_tokens(kind=kind, digest=digest, now=now)
-    .select_related("worker", "user")
+    lambda kind, *, digest, now, touched_before: _active_tokens(kind=kind, digest=digest, now=now)
+    .select_related(_OWNER[kind])
     .annotate(touch_due=ExpressionWrapper(_touch_due(touched_before), output_field=BooleanField()))[:1]
 )
 
@@ -96,9 +100,7 @@ def token_authenticate(*, kind, plaintext):
     if not plaintext:
         return None
     now = timezone.now()
-    token = _AUTHENTICATE.first(
-        kind=kind, digest=hash_token(plaintext.strip()), now=now, touched_before=_touched_before(now)
-    )
+    token = _AUTHENTICATE.first(kind, digest=hash_token(plaintext.strip()), now=now, touched_before=_touched_before(now))
     if token is None:
         return None
     if token.touch_due:

@@ -5,6 +5,8 @@ from io import StringIO
 
 import pytest
 from django.core.management import call_command
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 
 from audit import actions
 from audit.services import Actor
@@ -62,6 +64,21 @@ def test_token_authenticates_by_its_plaintext_and_ignores_surrounding_whitespace
     assert token_authenticate(kind=TokenKind.WORKER, plaintext=plaintext).worker == worker
     assert token_authenticate(kind=TokenKind.WORKER, plaintext=f"  {plaintext}\n").worker == worker
     assert Token.objects.get(worker=worker, revoked_at__isnull=True, last_used_at__isnull=False)
+
+
+@pytest.mark.parametrize(("kind", "owner", "other"), [(TokenKind.WORKER, "worker", "user"), (TokenKind.API, "user", "worker")])
+def test_authentication_is_one_read_joining_the_tokens_one_owner(kind, owner, other):
+    made = {"worker": WorkerFactory, "user": UserFactory}[owner]()
+    _, plaintext = token_issue(kind=kind, **{owner: made})
+    token_authenticate(kind=kind, plaintext=plaintext)  # marked used now: the next one only reads
+
+    with CaptureQueriesContext(connection) as queries:
+        token = token_authenticate(kind=kind, plaintext=plaintext)
+        assert (getattr(token, owner), getattr(token, other)) == (made, None)  # both known: no further query
+
+    (read,) = [q["sql"] for q in queries.captured_queries]
+    owner_table = {"worker": "workers_worker", "user": "auth_user"}
+    assert f'JOIN "{owner_table[owner]}"' in read and owner_table[other] not in read
 
 
 @pytest.mark.parametrize("plaintext", ["", None, "wt_not-a-real-token", "sta_not-a-real-token"])
