@@ -9,6 +9,7 @@ from django.db import connection, transaction
 from django.db.transaction import TransactionManagementError
 
 from common import outbox
+from common.pipeline import first_rows
 from common.remote import client_ip
 
 from .chain import GENESIS, HASHED_FIELDS, chain_key, link_hash, stored_details
@@ -137,7 +138,8 @@ def audited_atomic():
 
     Every service transaction that writes audit rows uses it, so that the chain head is the last row
     lock a transaction takes: taking it earlier and then waiting for a row another transaction holds
-    while that one waits for the head would deadlock.
+    while that one waits for the head would deadlock. That includes the locks of its deferred
+    foreign-key checks, run just before the head's (``_lock_head``).
     """
     with transaction.atomic(), audit_batch():
         yield
@@ -250,13 +252,23 @@ def _lock_head():
 
     ``FOR UPDATE`` on PostgreSQL; SQLite's transactions hold its one write lock from BEGIN IMMEDIATE.
     (Plain SQL: this runs once per audited transaction.)
+
+    On PostgreSQL the transaction's deferred constraint checks are run first (``SET CONSTRAINTS ALL
+    IMMEDIATE``, sent in one round trip with the lock). Django makes foreign keys deferred, and the
+    check of a row this transaction wrote twice (a worker drained, then moved to ``draining``) takes a
+    KEY SHARE lock on the row it points to (the worker's job). Left to the commit, that lock came after
+    the head's: a report holding the job's row and waiting for the head then waited on a transaction
+    that waited on it (a deadlock, seen in CI). Run before the head, it keeps the head the last lock.
     """
     sql = f"SELECT seq, chain_hash FROM {_HEAD_TABLE} WHERE id = %s"
     if connection.features.has_select_for_update:
         sql += " FOR UPDATE"
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [HEAD_ID])
-        head = cursor.fetchone()
+    if connection.vendor == "postgresql":
+        _, head = first_rows([("SET CONSTRAINTS ALL IMMEDIATE", None), (sql, [HEAD_ID])])
+    else:
+        with connection.cursor() as cursor:
+            cursor.execute(sql, [HEAD_ID])
+            head = cursor.fetchone()
     if head is None:  # a database whose head row was never made or was emptied (a test flush): resume from the last row
         last = AuditEvent.objects.order_by("-seq").values_list("seq", "chain_hash").first() or (0, GENESIS)
         AuditChainHead.objects.get_or_create(pk=HEAD_ID, defaults={"seq": last[0], "chain_hash": last[1]})

@@ -199,3 +199,38 @@ def test_register_and_status_report_of_one_worker_do_not_deadlock(postgres_url, 
     assert reported["status"] == "running"
     job.refresh_from_db()
     assert (job.status, job.progress) == (JobStatus.RUNNING, {"fraction": 0.5})
+
+
+def test_a_drain_racing_a_transaction_that_holds_the_workers_job_does_not_deadlock(postgres_url):
+    """Seen in CI: a drain writes its busy worker twice, so PostgreSQL checks the worker's foreign key to
+    its job (a deferred check: KEY SHARE on the job's row). Another transaction holds the job's row and
+    then writes an audit row (the chain's head). Were the check left to the drain's commit, the drain
+    would hold the head while waiting for the job, and the other would wait for the head: a deadlock.
+    The drain's checks run before it takes the head, so it waits for the job and both complete."""
+    from audit.services import audit_record, audited_atomic
+    from job_queue.services import lock_job
+
+    worker = WorkerFactory()
+    job = job_on_worker(worker, status=JobStatus.RUNNING)
+    operator = Actor.system("operator")
+    holds_job = threading.Event()
+
+    def holder_of_the_job():
+        with audited_atomic():
+            lock_job(job.pk)
+            holds_job.set()
+            deadline = time.monotonic() + DEADLINE_S
+            while not _blocked_on_a_lock():  # the drain waits for the job's row
+                assert time.monotonic() < deadline, "the drain never waited for the job's row"
+                time.sleep(0.005)
+            audit_record(actor=operator, action="job.probe", target_type="job", target_id=job.pk)
+        return "committed"
+
+    def drain():
+        assert holds_job.wait(DEADLINE_S)
+        return worker_services.worker_drain(worker_id=worker.pk, actor=operator)
+
+    committed, drained = run_concurrently([holder_of_the_job, drain])
+
+    assert committed == "committed" and drained.status == WorkerStatus.DRAINING
+    assert audit_rows("job.probe") and audit_rows(actions.WORKER_DRAIN_REQUESTED)

@@ -69,7 +69,12 @@ def test_a_dispatching_submit_commits_once_with_its_audit_rows_and_its_stored_ev
     # then 11 with BEGIN and COMMIT plus the event library's own transaction of 7; then 13 and one commit:
     # one of them the stored-config lookup of issue 15; a first attempt looks up no checkpoint to resume
     # from; now 11: the first worker offered is read and locked in one statement; on PostgreSQL 9: the
-    # event's counter and row in one statement, the audit rows and the chain's head in one)
+    # event's counter and row in one statement, the audit rows and the chain's head in one; plus there the
+    # deferred checks run before the head's lock, sent with it in one round trip)
+    if connection.vendor == "postgresql":
+        checks = statements.index("SET CONSTRAINTS ALL IMMEDIATE")
+        assert statements[checks + 1].startswith("SELECT seq, chain_hash FROM audit_auditchainhead")
+        statements.pop(checks)
     assert len(statements) <= (9 if connection.vendor == "postgresql" else 11), "\n".join(statements)
     assert sum(1 for sql in statements if sql.startswith('SELECT "workers_worker"')) == 1
     assert not any("artifacts_checkpoint" in sql for sql in statements)
