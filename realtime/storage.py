@@ -6,8 +6,8 @@ old events to trim, on every event. ``EventStorage`` keeps the library's tables,
 differs in three ways:
 
 - an append is one ``UPDATE … RETURNING`` of the channel's counter and one INSERT (on PostgreSQL one
-  statement holding both), in the caller's transaction if there is one, so a dispatch and the ``job_submit`` it publishes commit together
-  (``realtime.publish.stage_worker_event``);
+  statement holding both), in the caller's transaction if there is one, so a dispatch and the
+  ``job_submit`` it publishes commit together (``realtime.publish.stage_worker_event``);
 - the counter row stays locked until that commit, so a channel's event ids are given and made visible in
   commit order, as the library's own lock makes them;
 - old events are trimmed by a sweep (``realtime.sweeps.trim_stored_events``), not on every append.
@@ -30,6 +30,8 @@ from django_eventstream.models import EventCounter
 
 _COUNTERS = EventCounter._meta.db_table
 _EVENTS = StoredEvent._meta.db_table
+# A channel's counter moved on by one (``updated``, ``name``): its new value, the next event's id.
+_COUNT = f"UPDATE {_COUNTERS} SET value = value + 1, updated = %s WHERE name = %s RETURNING value"
 
 _prestored = ContextVar("prestored_event", default=None)
 
@@ -57,7 +59,7 @@ def _counted_insert(channel, event_type, stored):
     now = timezone.now()
     with connection.cursor() as cursor:
         cursor.execute(
-            f"WITH counted AS (UPDATE {_COUNTERS} SET value = value + 1, updated = %s WHERE name = %s RETURNING value) "
+            f"WITH counted AS ({_COUNT}) "
             f'INSERT INTO "{_EVENTS}" ("channel", "type", "data", "eid", "created") '
             "SELECT %s, %s, %s, value, %s FROM counted RETURNING eid",
             [now, channel, channel, event_type, stored, now],
@@ -75,9 +77,7 @@ def _next_event_id(channel):
     now = timezone.now()
     with connection.cursor() as cursor:
         for _ in range(2):
-            cursor.execute(
-                f"UPDATE {_COUNTERS} SET value = value + 1, updated = %s WHERE name = %s RETURNING value", [now, channel]
-            )
+            cursor.execute(_COUNT, [now, channel])
             row = cursor.fetchone()
             if row is not None:
                 return row[0]
