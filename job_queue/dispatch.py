@@ -5,7 +5,7 @@ import re
 from urllib.parse import quote
 
 from django.db import DatabaseError, transaction
-from django.db.models import Case, F, IntegerField, TextField, Value, When
+from django.db.models import TextField
 from django.db.models.functions import Cast
 from django.db.models.fields.json import KeyTextTransform
 from django.utils import timezone
@@ -19,7 +19,7 @@ from common import outbox
 from common.prepared import PreparedQuery
 from worker_agent import protocol
 from workers import events as worker_events
-from workers.models import Worker, WorkerStatus, WorkerType
+from workers.models import OFFER_RANK_LOCAL, Worker, WorkerStatus, WorkerType
 from workers.transitions import workers_free, workers_transition
 
 from . import events
@@ -193,12 +193,16 @@ def _offered_workers(target, label_keys, *, gpu_count, **labels):
     for i, key in enumerate(label_keys):
         label = Cast(KeyTextTransform(key, "labels"), output_field=TextField())
         workers = workers.alias(**{f"label_{i}": label}).filter(**{f"label_{i}": labels[f"label_{i}"]})
-    return (
-        workers.filter(worker_type__in=TARGET_WORKER_TYPES[target], gpu_count__gte=gpu_count)
-        .annotate(
-            local_last=Case(When(worker_type=WorkerType.LOCAL, then=Value(1)), default=Value(0), output_field=IntegerField())
-        )
-        .order_by("local_last", F("last_job_finished_at").asc(nulls_first=True), "pk")
+    types = TARGET_WORKER_TYPES[target]
+    if WorkerType.LOCAL not in types:  # the ranks' range too, so the index scan starts and stops where they do
+        workers = workers.filter(offer_rank__lt=OFFER_RANK_LOCAL)
+    elif len(types) == 1:
+        workers = workers.filter(offer_rank__gte=OFFER_RANK_LOCAL)
+    # Worker.offer_rank: remote before local, the never-finished first; then least recently finished. The
+    # status and the job are the same for every row (idle, none): ordering by them too follows the
+    # index worker_offer_order column for column, so the first row is read from it, never sorted.
+    return workers.filter(worker_type__in=types, gpu_count__gte=gpu_count).order_by(
+        "status", "current_job_id", "offer_rank", "last_job_finished_at", "pk"
     )
 
 

@@ -136,7 +136,10 @@ class Job(models.Model):
             ("retry_job", "Can retry a failed or cancelled job"),
         ]
         indexes = [
-            models.Index(fields=["status", "-priority", "submitted_at"], name="job_dispatch_order"),
+            # The queue's order (job_queue.dispatch): a dispatch reads its first row, never sorts the backlog.
+            # With the last key (id) in it too: SQLite, with statistics that show most jobs queued, scanned
+            # and sorted a backlog of 10,000 for each dispatch (3.7 ms) rather than sort the ties on id.
+            models.Index(fields=["status", "-priority", "submitted_at", "id"], name="job_dispatch_order"),
             # Almost every job has no retry_of: a plain index holds one key for nearly all rows, and after
             # ANALYZE SQLite judged it useless and scanned the table for a job's retries (12 ms at 105,000 jobs).
             models.Index(fields=["retry_of"], name="job_retry_of", condition=models.Q(retry_of__isnull=False)),

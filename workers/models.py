@@ -46,6 +46,11 @@ WORKER_TRANSITIONS = {
 }
 
 
+# ``Worker.offer_rank`` of a local worker that never finished a job; remote workers rank below it, and a
+# worker that finished one ranks one above its never-finished peers.
+OFFER_RANK_LOCAL = 2
+
+
 class Worker(models.Model):
     id = models.CharField(primary_key=True, max_length=32, default=new_worker_id, editable=False)
     name = models.CharField(max_length=128, unique=True)
@@ -82,6 +87,19 @@ class Worker(models.Model):
     last_heartbeat = models.DateTimeField(null=True, blank=True, db_index=True)
     connected_at = models.DateTimeField(null=True, blank=True)
     last_job_finished_at = models.DateTimeField(null=True, blank=True)
+    # Where the worker stands in the order a job is offered to idle workers (``job_queue.dispatch``):
+    # remote before local, and within each, workers that never finished a job before those that did.
+    # Kept by the database, so the offer order is an index scan (``worker_offer_order``); with the
+    # never-finished apart, ``last_job_finished_at`` orders only non-null values, which SQLite and
+    # PostgreSQL sort alike.
+    offer_rank = models.GeneratedField(
+        expression=models.Case(
+            models.When(worker_type=WorkerType.LOCAL, then=models.Value(OFFER_RANK_LOCAL)), default=models.Value(0)
+        )
+        + models.Case(models.When(last_job_finished_at__isnull=True, then=models.Value(0)), default=models.Value(1)),
+        output_field=models.IntegerField(),
+        db_persist=True,
+    )
     status_changed_at = models.DateTimeField(auto_now_add=True)
     created_at = models.DateTimeField(auto_now_add=True)
     created_by = models.ForeignKey(
@@ -96,7 +114,15 @@ class Worker(models.Model):
             ("drain_worker", "Can drain a worker (it finishes its job and takes no new one)"),
             ("rotate_worker_token", "Can rotate a worker's token"),
         ]
-        indexes = [models.Index(fields=["status", "last_heartbeat"], name="worker_status_hb")]
+        indexes = [
+            models.Index(fields=["status", "last_heartbeat"], name="worker_status_hb"),
+            # The offer order of available workers (idle, no job): a dispatch reads its first row (LIMIT 1)
+            # at any fleet size. The two leading columns are held constant by the query; it orders by them
+            # too, so the order matches the index whether or not the plan knows the status (a generic plan).
+            models.Index(
+                fields=["status", "current_job", "offer_rank", "last_job_finished_at", "id"], name="worker_offer_order"
+            ),
+        ]
 
     def __str__(self):
         return f"{self.name} ({self.id})"

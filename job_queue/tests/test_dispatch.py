@@ -12,7 +12,7 @@ from job_queue.models import JobAttempt, JobStatus, JobTarget
 from job_queue.dispatch import dispatch_for_job, dispatch_for_worker, dispatch_pending
 from job_queue.services import job_submit
 from job_queue.tests.factories import JobFactory, job_on_worker
-from workers.models import Worker, WorkerStatus, WorkerType
+from workers.models import OFFER_RANK_LOCAL, Worker, WorkerStatus, WorkerType
 from workers.tests.factories import UserFactory, WorkerFactory
 from workers.tests.support import audit_rows, sent_events
 
@@ -230,6 +230,32 @@ def test_least_recently_used_worker_goes_first():
     assigned = [dispatch_for_job(JobFactory().pk) for _ in range(3)]
 
     assert assigned == [never, older, recent]
+
+
+def test_an_auto_job_is_offered_remote_workers_then_local_each_never_used_then_least_recently_used():
+    now = timezone.now()
+    made = {
+        "local recent": WorkerFactory(worker_type=WorkerType.LOCAL, last_job_finished_at=now),
+        "remote recent": WorkerFactory(worker_type=WorkerType.PERSISTENT, last_job_finished_at=now),
+        "local never": WorkerFactory(worker_type=WorkerType.LOCAL, last_job_finished_at=None),
+        "remote older": WorkerFactory(worker_type=WorkerType.EPHEMERAL, last_job_finished_at=now - timedelta(hours=1)),
+        "remote never": WorkerFactory(worker_type=WorkerType.EPHEMERAL, last_job_finished_at=None),
+        "local older": WorkerFactory(worker_type=WorkerType.LOCAL, last_job_finished_at=now - timedelta(hours=1)),
+    }
+    names = {worker.pk: name for name, worker in made.items()}
+
+    assigned = [names[dispatch_for_job(JobFactory(target=JobTarget.AUTO).pk).pk] for _ in made]
+
+    assert assigned == ["remote never", "remote older", "remote recent", "local never", "local older", "local recent"]
+
+
+def test_a_workers_offer_rank_follows_its_type_and_its_first_finished_job():
+    remote, local = WorkerFactory(worker_type=WorkerType.PERSISTENT), WorkerFactory(worker_type=WorkerType.LOCAL)
+    both = Worker.objects.filter(pk__in=[remote.pk, local.pk])
+
+    assert dict(both.values_list("pk", "offer_rank")) == {remote.pk: 0, local.pk: OFFER_RANK_LOCAL}
+    both.update(last_job_finished_at=timezone.now())
+    assert dict(both.values_list("pk", "offer_rank")) == {remote.pk: 1, local.pk: OFFER_RANK_LOCAL + 1}
 
 
 def test_gpu_count_zero_means_any_worker_even_one_without_gpus():

@@ -21,7 +21,7 @@ from job_queue.tests.factories import JobFactory, job_on_worker
 from realtime.publish import worker_channel
 from worker_agent import protocol
 from workers import events as worker_events
-from workers.models import WorkerStatus
+from workers.models import WorkerStatus, WorkerType
 from workers.tests.factories import UserFactory, WorkerFactory
 from workers.tests.support import sent_events
 
@@ -130,6 +130,40 @@ def test_the_candidates_are_every_row_once_in_order_across_the_batches(monkeypat
     assert names == [f"w-{i}" for i in range(count)]
     # a short first batch ends it; a full one reads the next; a full second one goes on through a cursor
     assert len(queries) == (1 if count < 2 else 2 if count < 4 else 3)
+
+
+def _plan(query):
+    """The plan of ``query`` (a select_for_update queryset), as text; on PostgreSQL, the plan it has when the
+    table is too large to read whole (a test's few rows would be read and sorted, whatever the indexes)."""
+    with transaction.atomic(), connection.cursor() as cursor:
+        sql, params = query.query.sql_with_params()
+        if connection.vendor == "postgresql":
+            cursor.execute("SET LOCAL enable_seqscan = off")
+            cursor.execute("EXPLAIN " + sql, params)
+        else:
+            cursor.execute("EXPLAIN QUERY PLAN " + sql, params)
+        return "\n".join(str(row[-1]) for row in cursor.fetchall())
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("target", [JobTarget.AUTO, JobTarget.WORKER, JobTarget.LOCAL])
+def test_the_first_offered_worker_is_read_in_offer_order_from_the_index_not_sorted(target):
+    WorkerFactory()
+
+    plan = _plan(dispatch._first_worker_for_job(target, (), gpu_count=1))
+
+    assert "worker_offer_order" in plan, plan
+    assert "Sort" not in plan and "TEMP B-TREE" not in plan, plan
+
+
+@pytest.mark.django_db
+def test_the_first_queued_job_for_a_worker_is_read_in_queue_order_from_the_index_not_sorted():
+    JobFactory.create_batch(3)
+
+    plan = _plan(dispatch._first_job_for_worker(WorkerType.PERSISTENT, gpu_count=1))
+
+    assert "job_dispatch_order" in plan, plan
+    assert "Sort" not in plan and "TEMP B-TREE" not in plan, plan
 
 
 @pytest.mark.django_db
