@@ -3,6 +3,8 @@
 import asyncio
 import json
 import logging
+import threading
+from collections import OrderedDict
 
 from django_eventstream import eventstream as es_eventstream
 from django_eventstream import views as es_views
@@ -19,6 +21,9 @@ from .redis import RedisEventListener, redis_publish_client
 logger = logging.getLogger(__name__)
 
 _TOKEN_CHUNK = 500
+# Events queued here before Redis brought them back, whose echo is still due (a bound: an echo Redis never
+# brings back, while it is down, is forgotten after this many more).
+ECHOES_MAX = 10_000
 _publish_client = None  # ours, once installed in place of the library's
 
 
@@ -110,9 +115,50 @@ class WorkerListenerManager(es_views.ListenerManager):
 
     def __init__(self):
         super().__init__()
+        # Re-entrant: ``deliver_first`` queues an event under the lock that decided it may.
+        self.lock = threading.RLock()
         # The library built its own RedisListener (nothing connected yet); ours replaces it.
         self.redis_listener = RedisEventListener(self) if self.redis_listener is not None else None
         self.redis_task = None
+        self._last_id = {}  # channel with a local listener -> id of the newest stored event queued on it
+        self._echoes = OrderedDict()  # (channel, id) of events queued by deliver_first, until Redis echoes them
+
+    def remove_listener(self, listener):
+        with self.lock:
+            super().remove_listener(listener)
+            for channel in listener.channels:
+                if channel not in self.listeners_by_channel:
+                    self._last_id.pop(channel, None)
+
+    def deliver_first(self, channel, event):
+        """Queue stored ``event``, just committed in this process, to this process's streams on ``channel`` now,
+        ahead of its trip through Redis; return whether it did (then its echo from Redis is dropped).
+
+        Only an event that directly follows the last one queued on the channel: a channel's ids are
+        given and committed in order, so then none published by another process can still be on its
+        way to land before it. Otherwise (a gap, or no event seen since the stream opened) it waits
+        for Redis, as every event did before, and arrives in the order Redis relays it.
+        """
+        if event.id is None:
+            return False
+        with self.lock:
+            last = self._last_id.get(channel)
+            if last is None or int(event.id) != last + 1:
+                return False
+            self._echoes[(channel, int(event.id))] = None
+            if len(self._echoes) > ECHOES_MAX:
+                self._echoes.popitem(last=False)
+            self.add_to_queues(channel, event)
+        return True
+
+    def relay_to_queues(self, channel, event):
+        """Queue ``event`` relayed by Redis, unless it is the echo of one ``deliver_first`` queued already."""
+        with self.lock:
+            echo = None if event.id is None else (channel, int(event.id))
+            if echo in self._echoes:
+                del self._echoes[echo]
+                return
+            self.add_to_queues(channel, event)
 
     def add_listener(self, listener):
         if self.redis_listener is not None:
@@ -144,7 +190,10 @@ class WorkerListenerManager(es_views.ListenerManager):
                     code=data.get("code", protocol.TOKEN_REVOKED),
                 )
             return
-        super().add_to_queues(channel, event)
+        with self.lock:
+            if event.id is not None and channel in self.listeners_by_channel:
+                self._last_id[channel] = int(event.id)
+            super().add_to_queues(channel, event)
 
     def revoke(self, channel, principals, reason, *, code=protocol.TOKEN_REVOKED):
         """End the local streams on ``channel`` held by any of ``principals``, telling them ``reason`` and ``code``.

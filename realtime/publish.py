@@ -8,7 +8,9 @@ import json
 import logging
 
 from django.core.serializers.json import DjangoJSONEncoder
+from django_eventstream import eventstream as es_eventstream
 from django_eventstream import send_event
+from django_eventstream import views as es_views
 from django_eventstream.utils import get_storage
 from redis.exceptions import RedisError
 
@@ -65,7 +67,14 @@ def worker_event_order(*, worker_id, event):
 
 
 def publish_worker_event(stored):
-    """Publish of ``workers.events.WORKER_EVENT``: push the stored event to the streams of its channel."""
+    """Publish of ``workers.events.WORKER_EVENT``: push the stored event to the streams of its channel.
+
+    With Redis, this process's own streams on the channel get it first, straight from here
+    (``WorkerListenerManager.deliver_first``), and the others through Redis as before: a worker whose
+    stream this process holds does not wait for the round trip through Redis and the subscriber.
+    """
+    if es_eventstream.redis_client is not None:
+        es_views.get_listener_manager().deliver_first(stored.channel, stored)
     with published_as(stored):
         send(stored.channel, stored.type, stored.data, json_encode=False)
 

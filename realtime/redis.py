@@ -122,6 +122,6 @@ class RedisEventListener:
         except (ValueError, KeyError, TypeError) as exc:
             logger.warning("ignored a malformed message on Redis channel %s: %s", REDIS_EVENTS_CHANNEL, exc)
             return
-        self.manager.add_to_queues(channel, event)
+        self.manager.relay_to_queues(channel, event)
 
 

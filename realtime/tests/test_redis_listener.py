@@ -15,6 +15,7 @@ from django.test import override_settings
 from django_eventstream import eventstream as es_eventstream
 from django_eventstream import views as es_views
 from django_eventstream.storage import DjangoModelStorage
+from django_eventstream.event import Event
 from django_eventstream.views import Listener, stream
 
 from realtime import listeners, publish
@@ -50,7 +51,7 @@ class FakeManager:
         self.queued = []
         self.resyncs = []
 
-    def add_to_queues(self, channel, event):
+    def relay_to_queues(self, channel, event):
         self.queued.append((channel, event.type, json.loads(event.data), event.id))
 
     async def resync(self, *, recheck_tokens):
@@ -253,6 +254,108 @@ def test_catch_up_wakes_every_stream_to_re_read_storage():
     assert manager.catch_up_all() == 3
 
     assert [(s.overflow, s.loop.woken, s.principal.revoked) for s in streams] == [(True, 1, False)] * 3
+
+
+# --- this process's own streams first, then Redis -------------------------------------------------
+
+
+def queued_ids(listener, channel):
+    return [int(event.id) for event in listener.channel_items.get(channel, ())]
+
+
+def stored(channel, eid):
+    return Event(channel, protocol.JOB_SUBMIT, json.dumps({"job_id": f"j{eid}"}), id=eid)
+
+
+def relayed(channel, eid):
+    """The event as the Redis listener rebuilds it from a pub/sub message (its id a string)."""
+    return Event(channel, protocol.JOB_SUBMIT, json.dumps({"job_id": f"j{eid}"}), id=str(eid))
+
+
+def test_an_event_next_after_the_last_queued_is_queued_at_once_and_its_echo_from_redis_dropped():
+    manager = local_manager()
+    stream_ = local_stream(manager, 1, "w_1")
+    channel = worker_channel("w_1")
+    manager.relay_to_queues(channel, relayed(channel, 4))
+
+    assert manager.deliver_first(channel, stored(channel, 5)) is True
+    assert queued_ids(stream_, channel) == [4, 5]
+    manager.relay_to_queues(channel, relayed(channel, 5))  # Redis brings it back: dropped
+    manager.relay_to_queues(channel, relayed(channel, 6))  # another process's next event: queued
+    assert queued_ids(stream_, channel) == [4, 5, 6]
+    assert stream_.loop.woken == 3
+
+
+def test_an_event_after_a_gap_or_with_none_seen_since_the_stream_opened_waits_for_redis_in_its_order():
+    manager = local_manager()
+    stream_ = local_stream(manager, 1, "w_1")
+    channel = worker_channel("w_1")
+
+    assert manager.deliver_first(channel, stored(channel, 1)) is False  # nothing seen yet on this stream
+    manager.relay_to_queues(channel, relayed(channel, 1))
+    # Event 2 (another process's) is still on its way through Redis when event 3 commits here.
+    assert manager.deliver_first(channel, stored(channel, 3)) is False
+    manager.relay_to_queues(channel, relayed(channel, 2))
+    manager.relay_to_queues(channel, relayed(channel, 3))
+
+    assert queued_ids(stream_, channel) == [1, 2, 3]
+
+
+def test_a_channel_left_by_its_last_stream_is_forgotten():
+    manager = local_manager()
+    first = local_stream(manager, 1, "w_1")
+    channel = worker_channel("w_1")
+    manager.relay_to_queues(channel, relayed(channel, 4))
+    manager.remove_listener(first)
+    again = local_stream(manager, 2, "w_1")
+
+    assert manager.deliver_first(channel, stored(channel, 5)) is False  # 5 may not follow what this stream read
+    assert queued_ids(again, channel) == []
+
+
+def test_nothing_is_queued_first_on_a_channel_this_process_holds_no_stream_of():
+    manager = local_manager()
+    local_stream(manager, 1, "w_1")
+    other = worker_channel("w_2")
+
+    assert manager.deliver_first(other, stored(other, 1)) is False
+    assert other not in manager.listeners_by_channel
+
+
+def test_echoes_never_brought_back_are_forgotten_past_the_bound(monkeypatch):
+    monkeypatch.setattr(listeners, "ECHOES_MAX", 2)
+    manager = local_manager()
+    stream_ = local_stream(manager, 1, "w_1")
+    channel = worker_channel("w_1")
+    manager.relay_to_queues(channel, relayed(channel, 1))
+    for eid in (2, 3, 4):  # Redis is down: no echo comes back
+        assert manager.deliver_first(channel, stored(channel, eid))
+
+    assert list(manager._echoes) == [(channel, 3), (channel, 4)]
+    manager.relay_to_queues(channel, relayed(channel, 2))  # a very late echo past the bound: queued again
+    assert queued_ids(stream_, channel) == [1, 2, 3, 4, 2]
+
+
+@pytest.mark.django_db
+def test_a_worker_event_reaches_this_processs_stream_before_redis_and_is_published_once(monkeypatch):
+    manager = local_manager()
+    monkeypatch.setattr(es_views, "listener_manager", manager)
+    stream_ = local_stream(manager, 1, "w_1")
+    channel = worker_channel("w_1")
+    manager.relay_to_queues(channel, relayed(channel, 6))
+    published = []
+
+    class Redis:
+        def publish(self, name, message):
+            published.append(json.loads(message))
+            assert queued_ids(stream_, channel) == [6, 7], "published before the local stream had it"
+
+    monkeypatch.setattr(es_eventstream, "redis_client", Redis())
+    publish.publish_worker_event(stored(channel, 7))
+
+    assert [(m["channel"], m["pub_id"]) for m in published] == [(channel, "7")]
+    manager.relay_to_queues(channel, relayed(channel, 7))
+    assert queued_ids(stream_, channel) == [6, 7]
 
 
 @pytest.mark.django_db
