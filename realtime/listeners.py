@@ -141,14 +141,14 @@ class WorkerListenerManager(es_views.ListenerManager):
         """
         if event.id is None:
             return False
-        with self.lock:
+        with self.lock:  # the Redis listener's relay waits: the echo is recorded before it can arrive
             last = self._last_id.get(channel)
             if last is None or int(event.id) != last + 1:
                 return False
-            self._echoes[(channel, int(event.id))] = None
+            self.add_to_queues(channel, event)
+            self._echoes[(channel, int(event.id))] = None  # only once queued: a failure leaves it to Redis
             if len(self._echoes) > ECHOES_MAX:
                 self._echoes.popitem(last=False)
-            self.add_to_queues(channel, event)
         return True
 
     def relay_to_queues(self, channel, event):

@@ -74,7 +74,12 @@ def publish_worker_event(stored):
     stream this process holds does not wait for the round trip through Redis and the subscriber.
     """
     if es_eventstream.redis_client is not None:
-        es_views.get_listener_manager().deliver_first(stored.channel, stored)
+        try:
+            es_views.get_listener_manager().deliver_first(stored.channel, stored)
+        except Exception:  # noqa: BLE001 - the publish below still brings it (the echo was not recorded)
+            logger.exception(
+                "%s on %s not queued to this process's streams first; it goes through Redis", stored.type, stored.channel
+            )
     with published_as(stored):
         send(stored.channel, stored.type, stored.data, json_encode=False)
 

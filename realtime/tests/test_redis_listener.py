@@ -336,6 +336,31 @@ def test_echoes_never_brought_back_are_forgotten_past_the_bound(monkeypatch):
     assert queued_ids(stream_, channel) == [1, 2, 3, 4, 2]
 
 
+def test_an_event_that_fails_to_queue_first_is_left_to_redis_and_its_relay_queued(monkeypatch, caplog):
+    manager = local_manager()
+    monkeypatch.setattr(es_views, "listener_manager", manager)
+    stream_ = local_stream(manager, 1, "w_1")
+    channel = worker_channel("w_1")
+    manager.relay_to_queues(channel, relayed(channel, 6))
+    published = []
+
+    class Redis:
+        def publish(self, name, message):
+            published.append(json.loads(message)["pub_id"])
+
+    def closed_loop(callback):
+        raise RuntimeError("Event loop is closed")
+
+    stream_.loop.call_soon_threadsafe = closed_loop
+    monkeypatch.setattr(es_eventstream, "redis_client", Redis())
+    with caplog.at_level(logging.ERROR, logger="realtime.publish"):
+        publish.publish_worker_event(stored(channel, 7))
+
+    assert published == ["7"]
+    assert manager._echoes == {}
+    assert "goes through Redis" in caplog.text
+
+
 @pytest.mark.django_db
 def test_a_worker_event_reaches_this_processs_stream_before_redis_and_is_published_once(monkeypatch):
     manager = local_manager()
