@@ -336,7 +336,10 @@ def test_echoes_never_brought_back_are_forgotten_past_the_bound(monkeypatch):
     assert queued_ids(stream_, channel) == [1, 2, 3, 4, 2]
 
 
-def test_an_event_that_fails_to_queue_first_is_left_to_redis_and_its_relay_queued(monkeypatch, caplog):
+@pytest.fixture
+def publishing(monkeypatch):
+    """This process's manager holding worker w_1's stream, which has seen event 6, and a Redis that records
+    what is published: ``(stream, channel, published messages)``."""
     manager = local_manager()
     monkeypatch.setattr(es_views, "listener_manager", manager)
     stream_ = local_stream(manager, 1, "w_1")
@@ -346,40 +349,36 @@ def test_an_event_that_fails_to_queue_first_is_left_to_redis_and_its_relay_queue
 
     class Redis:
         def publish(self, name, message):
-            published.append(json.loads(message)["pub_id"])
+            published.append({**json.loads(message), "queued_here": queued_ids(stream_, channel)})
+
+    monkeypatch.setattr(es_eventstream, "redis_client", Redis())
+    return stream_, channel, published
+
+
+def test_an_event_that_fails_to_queue_first_is_left_to_redis(publishing, caplog):
+    stream_, channel, published = publishing
 
     def closed_loop(callback):
         raise RuntimeError("Event loop is closed")
 
     stream_.loop.call_soon_threadsafe = closed_loop
-    monkeypatch.setattr(es_eventstream, "redis_client", Redis())
     with caplog.at_level(logging.ERROR, logger="realtime.publish"):
         publish.publish_worker_event(stored(channel, 7))
 
-    assert published == ["7"]
-    assert manager._echoes == {}
+    assert [m["pub_id"] for m in published] == ["7"]
+    assert es_views.listener_manager._echoes == {}  # so Redis's relay of it is queued
     assert "goes through Redis" in caplog.text
 
 
 @pytest.mark.django_db
-def test_a_worker_event_reaches_this_processs_stream_before_redis_and_is_published_once(monkeypatch):
-    manager = local_manager()
-    monkeypatch.setattr(es_views, "listener_manager", manager)
-    stream_ = local_stream(manager, 1, "w_1")
-    channel = worker_channel("w_1")
-    manager.relay_to_queues(channel, relayed(channel, 6))
-    published = []
+def test_a_worker_event_reaches_this_processs_stream_before_redis_and_is_published_once(publishing):
+    stream_, channel, published = publishing
 
-    class Redis:
-        def publish(self, name, message):
-            published.append(json.loads(message))
-            assert queued_ids(stream_, channel) == [6, 7], "published before the local stream had it"
-
-    monkeypatch.setattr(es_eventstream, "redis_client", Redis())
     publish.publish_worker_event(stored(channel, 7))
 
-    assert [(m["channel"], m["pub_id"]) for m in published] == [(channel, "7")]
-    manager.relay_to_queues(channel, relayed(channel, 7))
+    # queued here before it was published
+    assert [(m["channel"], m["pub_id"], m["queued_here"]) for m in published] == [(channel, "7", [6, 7])]
+    es_views.listener_manager.relay_to_queues(channel, relayed(channel, 7))
     assert queued_ids(stream_, channel) == [6, 7]
 
 
