@@ -1,9 +1,11 @@
 """The ASGI entry point and the static files middleware: no per-step thread hops, same answers."""
 
 import json
+import threading
 
 import pytest
 from asgiref.sync import async_to_sync, iscoroutinefunction, sync_to_async
+from django.core import signals
 from django.test import AsyncClient, Client
 
 from common.middleware import StaticFilesMiddleware
@@ -47,6 +49,31 @@ def test_the_api_answers_through_the_sync_chain():
     status, body = async_to_sync(asgi_get)(protocol.QUEUE_PATH)
     assert status in (401, 403)
     assert json.loads(body)["code"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_api_requests_signals_run_on_its_request_threads_not_the_shared_sync_thread():
+    ran = []
+
+    def started(sender, **kwargs):
+        ran.append(("started", threading.current_thread().name, "scope" in kwargs))
+
+    def finished(sender, **kwargs):
+        ran.append(("finished", threading.current_thread().name, False))
+
+    signals.request_started.connect(started)
+    signals.request_finished.connect(finished)
+    try:
+        status, _ = async_to_sync(asgi_get)(protocol.QUEUE_PATH)
+    finally:
+        signals.request_started.disconnect(started)
+        signals.request_finished.disconnect(finished)
+
+    assert status in (401, 403)
+    assert [(signal, name.startswith("request_"), scope) for signal, name, scope in ran] == [
+        ("started", True, True),
+        ("finished", True, False),
+    ], ran
 
 
 @pytest.mark.django_db(transaction=True)
