@@ -200,7 +200,8 @@ def _offered_workers(target, label_keys, *, gpu_count, **labels):
         workers = workers.filter(offer_rank__gte=OFFER_RANK_LOCAL)
     # Worker.offer_rank: remote before local, the never-finished first; then least recently finished. The
     # status and the job are the same for every row (idle, none): ordering by them too follows the
-    # index worker_offer_order column for column, so the first row is read from it, never sorted.
+    # index worker_offer_order column for column, so the first row is read from it, not from a sort of the
+    # fleet (a local-only job's few workers, found by their rank range, the planner may still sort).
     return workers.filter(worker_type__in=types, gpu_count__gte=gpu_count).order_by(
         "status", "current_job_id", "offer_rank", "last_job_finished_at", "pk"
     )
