@@ -170,7 +170,12 @@ _CLIENT_IP = AuditEvent._meta.get_field("client_ip")
 _HEAD_TABLE = AuditChainHead._meta.db_table
 _COLUMNS = (*HASHED_FIELDS, "chain_hash")
 _MOVE_HEAD = f"UPDATE {_HEAD_TABLE} SET seq = %s, chain_hash = %s WHERE id = %s"
-_ROWS_PER_INSERT = 500  # a multi-row VALUES (not PostgreSQL): 6,000 parameters, within SQLite's 32,766 (3.32+)
+_ROWS_PER_INSERT = 500  # a multi-row VALUES: 6,000 parameters, within SQLite's 32,766 (3.32+)
+# PostgreSQL: up to this many rows a multi-row VALUES, beyond it UNNEST of one array per column. A request's
+# one to four rows as plain values cost its audited transaction 0.05-0.14 ms less CPU than as a dozen
+# arrays (bench/audit_insert_cost.py, BENCHMARKS.md); a sweep's thousands as arrays keep the statement's
+# parameters a dozen.
+_ROWS_PER_VALUES_POSTGRES = 32
 
 
 def _insert(cursor, events, *, head):
@@ -180,10 +185,11 @@ def _insert(cursor, events, *, head):
 
     Plain SQL rather than ``bulk_create``: the values are already what the chain hashed (``created_at``,
     ``details`` and ``client_ip`` only need the backend's adaptation), and Django's per-field preparation
-    of every value was most of a sweep's audit cost (BENCHMARKS.md, issue 11 re-run). On PostgreSQL one
-    statement over ``UNNEST`` of one array per column (as Django's own ``bulk_create`` does there): a
-    dozen parameters whatever the number of rows, so psycopg's client-side parsing of the query does
-    not grow with them. Elsewhere a multi-row VALUES, ``_ROWS_PER_INSERT`` rows a statement. Ids come
+    of every value was most of a sweep's audit cost (BENCHMARKS.md, issue 11 re-run). A multi-row VALUES,
+    ``_ROWS_PER_INSERT`` rows a statement; on PostgreSQL, beyond ``_ROWS_PER_VALUES_POSTGRES`` rows, one
+    statement over ``UNNEST`` of one array per column instead (as Django's own ``bulk_create`` does
+    there): a dozen parameters whatever the number of rows, so psycopg's client-side parsing of the
+    query does not grow with them, while a request's few rows skip the arrays' adaptation. Ids come
     back by ``RETURNING`` where the backend has it (PostgreSQL, SQLite 3.35+), else by ``seq``, which is
     unique and, with the head locked, ours; matched by ``seq`` either way.
     """
@@ -198,10 +204,11 @@ def _insert(cursor, events, *, head):
     def values(event):
         return [adapt[name](getattr(event, name)) if name in adapt else getattr(event, name) for name in _COLUMNS]
 
-    prefix, prefix_params = "", []
+    prefix, prefix_params, moved = "", [], False
     if connection.vendor == "postgresql":
-        statements = [(f"SELECT * FROM UNNEST({arrays})", list(map(list, zip(*map(values, events)))), events)]
         prefix, prefix_params = f"WITH moved AS ({_MOVE_HEAD}) ", [*head, HEAD_ID]
+    if connection.vendor == "postgresql" and len(events) > _ROWS_PER_VALUES_POSTGRES:
+        statements = [(f"SELECT * FROM UNNEST({arrays})", list(map(list, zip(*map(values, events)))), events)]
     else:
         per_insert = _ROWS_PER_INSERT
         if connection.vendor == "sqlite":  # an older SQLite allows 999 parameters per statement
@@ -213,7 +220,10 @@ def _insert(cursor, events, *, head):
             (f"VALUES {', '.join([row] * len(chunk))}", [v for event in chunk for v in values(event)], chunk)
             for chunk in chunks
         ]
-    for rows, params, chunk in statements:
+    for index, (rows, params, chunk) in enumerate(statements):
+        if index:  # the head moves once, with the first statement
+            prefix, prefix_params = "", []
+        moved = moved or bool(prefix)
         sql, params = f"{prefix}INSERT INTO {table} ({columns}) {rows}", [*prefix_params, *params]
         if connection.features.can_return_rows_from_bulk_insert:
             cursor.execute(f"{sql} RETURNING {ops.quote_name('id')}, {ops.quote_name('seq')}", params)
@@ -225,7 +235,7 @@ def _insert(cursor, events, *, head):
             event.pk = ids[event.seq]
             event._state.adding = False
             event._state.db = connection.alias
-    return bool(prefix)
+    return moved
 
 
 _INSERT_PARTS = {}

@@ -217,3 +217,25 @@ def test_a_large_batch_is_saved_in_chunks_each_row_with_its_own_id(monkeypatch, 
     assert [event.seq for event in saved] == list(range(2, 32))
     assert not any(event._state.adding for event in saved)
     assert audit_chain_verify().intact and audit_chain_verify().checked == 31
+
+
+@pytest.mark.parametrize("values_up_to", [0, 100], ids=["arrays", "values-in-chunks"])
+def test_a_batch_is_saved_whichever_statement_form_carries_it(monkeypatch, values_up_to):
+    """PostgreSQL sends a few rows as a multi-row VALUES and many as UNNEST of arrays (elsewhere always VALUES):
+    either way every row is saved as chained, with its own id, and the head moves once to the last row."""
+    import audit.services
+
+    monkeypatch.setattr(audit.services, "_ROWS_PER_VALUES_POSTGRES", values_up_to)
+    monkeypatch.setattr(audit.services, "_ROWS_PER_INSERT", 5)
+    AuditEventFactory(target_id="before")
+    rows = [(f"j_{n}", {"n": n, "when": "now", "f": 2.0}) for n in range(12)]
+
+    with transaction.atomic(), audit_batch():
+        saved = audit_write(audit_events(actor=ACTOR, action="job.requeued", target_type="job", rows=rows))
+
+    stored = dict(AuditEvent.objects.filter(action="job.requeued").values_list("pk", "target_id"))
+    assert {event.pk: event.target_id for event in saved} == stored
+    assert [event.seq for event in saved] == list(range(2, 14))
+    head = AuditChainHead.objects.get()
+    assert (head.seq, head.chain_hash) == (13, saved[-1].chain_hash)
+    assert audit_chain_verify().intact and audit_chain_verify().checked == 13
