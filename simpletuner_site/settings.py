@@ -236,9 +236,17 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 # Threads per server process running requests (everything but the streams; simpletuner_site.asgi). They
 # live as long as the process, so each keeps its database connection: SQLite's for CONN_MAX_AGE seconds;
 # PostgreSQL's goes back to the pool after each request. SQLite takes one writer at a time, so more
-# threads there only wait on its lock.
+# threads there only wait on its lock. On PostgreSQL a few more than the process's one core of Python
+# (the GIL) keep it busy while some wait on the database; as many as the pool's 20 only traded the GIL
+# among themselves: lifecycle throughput 15-21% lower with 20 than with 8 (BENCHMARKS.md).
 _SQLITE = DATABASES["default"]["ENGINE"].endswith("sqlite3")
-REQUEST_THREADS = _env_int("SIMPLETUNER_REQUEST_THREADS", 4 if _SQLITE else max(DB_POOL_SIZE, 4), minimum=1, maximum=1000)
+_POSTGRES_REQUEST_THREADS = 8
+REQUEST_THREADS = _env_int(
+    "SIMPLETUNER_REQUEST_THREADS",
+    4 if _SQLITE else min(DB_POOL_SIZE, _POSTGRES_REQUEST_THREADS) or _POSTGRES_REQUEST_THREADS,
+    minimum=1,
+    maximum=1000,
+)
 if _SQLITE:
     DATABASES["default"]["CONN_MAX_AGE"] = 600
     DATABASES["default"]["CONN_HEALTH_CHECKS"] = True

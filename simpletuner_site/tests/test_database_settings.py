@@ -57,3 +57,27 @@ def test_a_statement_run_again_on_a_connection_is_prepared_there(postgres_url, s
             cursor.execute("SELECT statement FROM pg_prepared_statements")
             prepared = [row[0] for row in cursor.fetchall()]
     assert any("prepared-probe" not in text and '"queue_job"."config_name" = $1' in text for text in prepared), prepared
+
+
+def _request_threads(tmp_path, **env):
+    code = "import simpletuner_site.settings as s; print(s.REQUEST_THREADS)"
+    environ = {k: v for k, v in os.environ.items() if k not in ("SIMPLETUNER_REQUEST_THREADS", "SIMPLETUNER_DB_POOL_SIZE")}
+    environ.update(SIMPLETUNER_DATA_DIR=str(tmp_path), **env)
+    result = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return int(result.stdout)
+
+
+@pytest.mark.parametrize(
+    ("env", "threads"),
+    [
+        ({"DATABASE_URL": ""}, 4),  # SQLite: one writer at a time
+        ({"DATABASE_URL": SERVER}, 8),  # PostgreSQL: a few beside the one thread of Python running, not the pool's 20
+        ({"DATABASE_URL": SERVER, "SIMPLETUNER_DB_POOL_SIZE": "5"}, 5),  # no more than the pool lends
+        ({"DATABASE_URL": SERVER, "SIMPLETUNER_DB_POOL_SIZE": "0"}, 8),  # no pool: a connection per request
+        ({"DATABASE_URL": SERVER, "SIMPLETUNER_REQUEST_THREADS": "32"}, 32),
+    ],
+    ids=["sqlite", "postgresql", "small-pool", "no-pool", "set"],
+)
+def test_request_threads_default_to_a_few_per_process(tmp_path, env, threads):
+    assert _request_threads(tmp_path, **env) == threads
