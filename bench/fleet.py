@@ -16,7 +16,8 @@ backlog, --duration s); heartbeats (open loop at --hb-rate/s over the idle fleet
 stream (--streams, RSS of the server process). Ours only, on a second start with short timers:
 failover (a busy worker hangs; its job's `job_submit` on the other worker). With pg: scale-out (two
 server processes on one database and Redis; submit through one, stream on the other; token rotation
-through one closes the stream on the other). --smoke: a few seconds of each on SQLite (the test suite's
+through one closes the stream on the other; with throughput, the lifecycle again with the workers and
+the submits shared by both processes, as a balancer in front of them would share them). --smoke: a few seconds of each on SQLite (the test suite's
 check that the harness works). Load average is recorded with every figure: the machine is shared.
 """
 
@@ -120,8 +121,12 @@ async def measure_scale_out(server, a):
         cross = await sc.dispatch_latency(fleet, n=a.n, warmup=a.warmup)
         rotation = await sc.token_rotation(fleet, worker, via=fleet.client)
         ratio = round(cross["p50_ms"] / same["p50_ms"], 2) if same["p50_ms"] else None
-        return {"same_process": same, "cross_process": cross, "p50_ratio": ratio, "token_rotation": rotation,
-                "load": load()}
+        out = {"same_process": same, "cross_process": cross, "p50_ratio": ratio, "token_rotation": rotation,
+               "load": load()}
+        if "throughput" in a.only:  # the lifecycle again, its workers and submits shared by both processes
+            out["throughput"] = {**await sc.throughput(fleet, workers=a.tp_workers, duration=a.duration,
+                                                       base_urls=[a_url, b_url]), "load": load()}
+        return out
     finally:
         via_b.close()
         fleet.close()
@@ -200,6 +205,8 @@ ROWS = [
      f"{r['scale_out']['cross_process']['p50_ms']} / {r['scale_out']['same_process']['p50_ms']}"),
     ("  rotation closes other stream s", lambda r: "-" if "scale_out" not in r else
      str(r["scale_out"]["token_rotation"]["stream_closed_after_s"])),
+    ("  lifecycle jobs/s over both processes", lambda r: str(r.get("scale_out", {}).get("throughput", {})
+                                                             .get("jobs_per_s", "-"))),
 ]
 
 

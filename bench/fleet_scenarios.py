@@ -53,20 +53,27 @@ async def dispatch_latency(fleet, *, n, warmup, labels=MEASURED, submit_client=N
             "fleet": len(fleet.workers) - 1}
 
 
-async def throughput(fleet, *, workers, duration, warm=3.0, backlog=None, submitters=8):
+async def throughput(fleet, *, workers, duration, warm=3.0, backlog=None, submitters=8, base_urls=None):
     """Lifecycle throughput: ``workers`` instant workers, a backlog kept topped up, jobs completed per second
-    over ``duration`` seconds after ``warm`` seconds, and submit-to-completed latency."""
+    over ``duration`` seconds after ``warm`` seconds, and submit-to-completed latency.
+
+    ``base_urls``: server processes sharing one database, each given an equal share of the workers (their
+    streams and every request of theirs) and of the submitters, as a balancer in front of them would."""
     labels = {"role": "throughput"}
-    made = await fleet.add(workers, labels, prefix="tp")
+    base_urls = base_urls or [fleet.base_url]
+    made = []
+    for index, url in enumerate(base_urls):
+        share = workers // len(base_urls) + (index < workers % len(base_urls))
+        made += await fleet.add(share, labels, prefix=f"tp{index}", base_url=url, requests_too=True)
     backlog = backlog or 2 * workers
     submitted_at = {}
     state = {"open": 0}
     done_lat = []
     t_start = time.perf_counter()
     t_end = t_start + warm + duration
-    client = Client(fleet.base_url, pool=submitters)
+    clients = [Client(url, pool=submitters) for url in base_urls]
 
-    async def submitter():
+    async def submitter(client):
         while time.perf_counter() < t_end:
             if state["open"] >= backlog:
                 fleet.completed.clear()
@@ -92,11 +99,12 @@ async def throughput(fleet, *, workers, duration, warm=3.0, backlog=None, submit
             done_lat.append(t - submitted_at[job_id])
 
     first = len(fleet.completions)
-    await asyncio.gather(*(submitter() for _ in range(submitters)))
+    await asyncio.gather(*(submitter(clients[i % len(clients)]) for i in range(submitters)))
     window = [t for t in fleet.completions[first:] if t_start + warm <= t <= t_end]
-    client.close()
+    for client in clients:
+        client.close()
     await fleet.remove(made)
-    return {"workers": workers, "duration_s": duration, "jobs_completed": len(window),
+    return {"workers": workers, "processes": len(base_urls), "duration_s": duration, "jobs_completed": len(window),
             "jobs_per_s": round(len(window) / duration, 1), "backlog": backlog,
             "submit_to_completed": summary_ms(done_lat), "errors": fleet.errors,
             "reports_refused": len(fleet.refused)}

@@ -36,8 +36,9 @@ def job_id_of(body):
 class SimWorker:
     """One simulated agent. ``hold``: seconds a job runs before its completion report (0: at once)."""
 
-    def __init__(self, fleet, name, labels, hold=0.0):
+    def __init__(self, fleet, name, labels, hold=0.0, client=None):
         self.fleet, self.name, self.labels, self.hold = fleet, name, labels, hold
+        self.client = client or fleet.client  # every request of this worker's goes to that client's server
         self.id = self.token = None
         self.stream = None
         self.silent = False
@@ -51,7 +52,7 @@ class SimWorker:
         return {protocol.WORKER_TOKEN_HEADER: self.token}
 
     async def create(self):
-        c = self.fleet.client
+        c = self.client
         st, body, _ = await c.request("POST", "/api/admin/workers", headers=self.fleet.admin,
                                       json_body={"name": self.name, "worker_type": "persistent", "labels": self.labels})
         if st not in (200, 201):
@@ -96,7 +97,7 @@ class SimWorker:
     async def heartbeat(self):
         body = {"worker_id": self.id, "status": protocol.AGENT_BUSY if self.current else protocol.AGENT_IDLE,
                 "current_job_id": self.current}
-        st, _, elapsed = await self.fleet.client.request("POST", protocol.HEARTBEAT_PATH, headers=self.headers,
+        st, _, elapsed = await self.client.request("POST", protocol.HEARTBEAT_PATH, headers=self.headers,
                                                          json_body=body)
         if st == 200:
             self.last_heartbeat = time.perf_counter()
@@ -106,7 +107,7 @@ class SimWorker:
         body = {"status": status}
         if attempt:
             body["attempt"] = attempt
-        st, _, _ = await self.fleet.client.request("POST", protocol.job_status_path(job_id), headers=self.headers,
+        st, _, _ = await self.client.request("POST", protocol.job_status_path(job_id), headers=self.headers,
                                                    json_body=body)
         return st
 
@@ -158,6 +159,8 @@ class Fleet:
         self.server = server
         self.base_url = base_url or server.url
         self.client = Client(self.base_url, pool=pool)
+        self._pool = pool
+        self._clients = {self.base_url: self.client}
         self.admin = server.admin_headers()
         self.workers = []
         self.futures = {}
@@ -204,10 +207,23 @@ class Fleet:
         if not fut.done():
             fut.set_result(None)
 
-    async def add(self, count, labels, *, hold=0.0, heartbeat=30.0, concurrency=32, prefix="w", base_url=None):
-        """Create, register and connect ``count`` workers (``concurrency`` at a time); return them."""
+    def client_for(self, base_url=None):
+        """The client of the server at ``base_url`` (this fleet's own by default), made on first use."""
+        base_url = (base_url or self.base_url).rstrip("/")
+        if base_url not in self._clients:
+            self._clients[base_url] = Client(base_url, pool=self._pool)
+        return self._clients[base_url]
+
+    async def add(self, count, labels, *, hold=0.0, heartbeat=30.0, concurrency=32, prefix="w", base_url=None,
+                  requests_too=False):
+        """Create, register and connect ``count`` workers (``concurrency`` at a time); return them.
+
+        ``base_url``: their streams go to that server instead of this fleet's; with ``requests_too`` their
+        registration, heartbeats and reports go there as well (a process behind a balancer, all the way).
+        """
         start = len(self.workers)
-        made = [SimWorker(self, f"{prefix}-{self.tag}-{start + i}", labels, hold) for i in range(count)]
+        client = self.client_for(base_url) if requests_too else None
+        made = [SimWorker(self, f"{prefix}-{self.tag}-{start + i}", labels, hold, client) for i in range(count)]
         gate = asyncio.Semaphore(concurrency)
 
         async def one(w):
@@ -248,4 +264,5 @@ class Fleet:
     def close(self):
         for w in self.workers:
             w.close()
-        self.client.close()
+        for client in self._clients.values():
+            client.close()

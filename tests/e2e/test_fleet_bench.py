@@ -57,6 +57,10 @@ def test_fleet_smoke_postgres_redis_two_processes(tmp_path, postgres_url, redis_
     # rotating the token through one process closed the stream held by the other
     assert so["token_rotation"]["rotate_status"] == 200
     assert so["token_rotation"]["stream_closed_after_s"] is not None
+    # the lifecycle again with the workers and submits shared by both processes: jobs completed through each
+    tp = so["throughput"]
+    assert tp["processes"] == 2 and tp["errors"] == 0 and tp["reports_refused"] == 0
+    assert tp["jobs_completed"] > 0
 
 
 def run_dispatch_cost(env):
@@ -92,3 +96,13 @@ def test_prepared_cost_runs_and_times_each_read_both_ways():
     timed = [line.split(" median")[0].strip() for line in proc.stdout.splitlines() if " median " in line]
     assert timed == [f"{read}, {how}" for read in ("token authentication", "lock_job in a transaction")
                      for how in ("ORM", "prepared")], proc.stdout  # fmt: skip
+
+
+@pytest.mark.postgres
+def test_audit_insert_cost_times_both_forms_on_postgres(postgres_url):
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "audit_insert_cost.py"), "--runs", "5", "--rounds", "1"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    timed = [line.split("  ")[1].strip() for line in proc.stdout.splitlines() if " as " in line]
+    assert timed == ["1 row(s) as arrays", "1 row(s) as values", "4 row(s) as arrays", "4 row(s) as values"], proc.stdout
