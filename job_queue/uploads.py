@@ -1,6 +1,8 @@
 """The artifact store's door for attempts: uploads, checkpoint declarations and resume downloads, each
 fenced by the attempt's upload token like a status report (valid only while that attempt holds the job)."""
 
+from django.db import connection
+
 from artifacts import keys, services as artifact_services, tokens
 from artifacts.models import Artifact
 from artifacts.storage import IncompleteUpload, UploadTooLarge, file_delete, file_receive
@@ -57,6 +59,10 @@ def attempt_upload(*, token, bucket, key, stream, declared_length, ip=None):
     attempt, full_key = _fenced_key(token, bucket, key)
     job_id = attempt.job_id
     limit = artifact_services.upload_limit(job_id=job_id, key=full_key, declared=declared_length)
+    if not connection.in_atomic_block:
+        # The body may take minutes to reach storage (S3): meanwhile its database connection goes back to the
+        # pool (PostgreSQL) rather than idling in the transfer; the record below takes one again.
+        connection.close()
     try:
         stored = file_receive(job_id=job_id, key=full_key, stream=stream, limit=limit, expected_size=declared_length)
     except IncompleteUpload as exc:

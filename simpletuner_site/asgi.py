@@ -23,6 +23,13 @@ from django.urls import set_script_prefix  # noqa: E402
 from job_queue.api.heartbeat import HeartbeatEndpoint  # noqa: E402
 from realtime.stream_endpoint import WorkerStreamEndpoint  # noqa: E402
 from realtime.urls import STREAM_PATHS  # noqa: E402  the worker stream and the operators' change feed
+from simpletuner_site.urls import ARTIFACTS_API_PREFIX  # noqa: E402
+from worker_agent import protocol  # noqa: E402
+
+# Requests that move an artifact's body to or from storage (an attempt's PUT and GET, an operator's download):
+# they run on their own threads (settings.TRANSFER_THREADS), so that however long storage takes, the request
+# threads stay free for heartbeats, reports and the API.
+TRANSFER_PATHS = (f"{protocol.UPLOAD_PATH}/", ARTIFACTS_API_PREFIX)
 
 
 class StreamASGIHandler(ASGIHandler):
@@ -64,6 +71,9 @@ class SyncChainASGIHandler(StreamASGIHandler):
     keeps its database connection as ``CONN_MAX_AGE`` or the PostgreSQL pool allows (checked and, if
     obsolete or broken, closed before and after each request, by Django's request signals and here).
 
+    An artifact transfer (``TRANSFER_PATHS``) runs the same chain on ``settings.TRANSFER_THREADS`` threads of
+    its own instead, so a body still on its way to storage never holds a thread a heartbeat is waiting for.
+
     Django's ``handle`` sends ``request_started`` from the event loop and closes the response (which
     sends ``request_finished``) through asgiref, so their sync receivers (``reset_queries``,
     ``close_old_connections``) ran on the process's one shared sync thread, on its connections: two
@@ -76,6 +86,7 @@ class SyncChainASGIHandler(StreamASGIHandler):
         super().load_middleware(is_async=False)
         chain = self._middleware_chain
         self.threads = ThreadPoolExecutor(max_workers=settings.REQUEST_THREADS, thread_name_prefix="request")
+        self.transfer_threads = ThreadPoolExecutor(max_workers=settings.TRANSFER_THREADS, thread_name_prefix="transfer")
         sender = type(self)
 
         def run(request):
@@ -85,7 +96,15 @@ class SyncChainASGIHandler(StreamASGIHandler):
             finally:
                 close_old_connections()
 
-        self._middleware_chain = sync_to_async(run, thread_sensitive=False, executor=self.threads)
+        on_request_threads = sync_to_async(run, thread_sensitive=False, executor=self.threads)
+        on_transfer_threads = sync_to_async(run, thread_sensitive=False, executor=self.transfer_threads)
+
+        async def run_chain(request):
+            if request.path_info.startswith(TRANSFER_PATHS):
+                return await on_transfer_threads(request)
+            return await on_request_threads(request)
+
+        self._middleware_chain = run_chain
         self._on_pool = lambda call: sync_to_async(call, thread_sensitive=False, executor=self.threads)()
 
     async def handle(self, scope, receive, send):

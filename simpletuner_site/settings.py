@@ -247,6 +247,10 @@ REQUEST_THREADS = _env_int(
     minimum=1,
     maximum=1000,
 )
+# Threads per server process running artifact transfers (an attempt's uploads and downloads, the operators'
+# artifact downloads): a body on its way to or from storage (S3: as long as the network takes) holds one
+# of these, never one of the request threads that heartbeats and reports need.
+TRANSFER_THREADS = _env_int("SIMPLETUNER_TRANSFER_THREADS", 16, minimum=1, maximum=1000)
 if _SQLITE:
     DATABASES["default"]["CONN_MAX_AGE"] = 600
     DATABASES["default"]["CONN_HEALTH_CHECKS"] = True

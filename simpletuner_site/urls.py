@@ -10,6 +10,8 @@ from observability.metrics import MetricsView
 
 from .landing import favicon, landing
 
+ARTIFACTS_API_PREFIX = "/api/artifacts/"  # the operators' artifact downloads (simpletuner_site.asgi runs them as transfers)
+
 urlpatterns = [
     # The streams before admin/: the admin's catch-all would otherwise answer the change feed.
     path("", include("realtime.urls")),
@@ -18,7 +20,7 @@ urlpatterns = [
     path("api/admin/workers", include("job_queue.api.fleet_urls")),
     path("api/admin/workers", include("workers.api.admin_urls")),
     path("api/queue/", include("job_queue.api.urls")),
-    path("api/artifacts/", include("artifacts.api.urls")),
+    path(ARTIFACTS_API_PREFIX.lstrip("/"), include("artifacts.api.urls")),
     path("api/configs", include("training_configs.api.urls")),
     path("api/audit/", include("audit.api.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),

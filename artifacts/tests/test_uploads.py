@@ -312,3 +312,36 @@ def test_the_shipped_operator_group_may_download(queue_client):
     put(token, "out/final/model.bin", b"w")
     artifact = Artifact.objects.get()
     assert queue_client.get(f"/api/artifacts/{artifact.pk}/download").status_code == 200
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_upload_gives_its_database_connection_back_while_the_body_goes_to_storage(monkeypatch, artifact_storage_dir):
+    """A body may take minutes to reach S3: the connection is not held meanwhile (back in the pool on PostgreSQL),
+    and the artifact is still recorded, fenced, once it is stored."""
+    from django.db import connection
+
+    import job_queue.uploads
+
+    job, _, token = running_job()
+    closed, held = [], []
+    close, receive = connection.close, job_queue.uploads.file_receive
+
+    def counted_close():
+        closed.append(True)
+        close()
+
+    def watched(**kwargs):
+        held.append((len(closed), connection.connection is not None))
+        return receive(**kwargs)
+
+    monkeypatch.setattr(connection, "close", counted_close)
+    monkeypatch.setattr(job_queue.uploads, "file_receive", watched)
+
+    response = put(token, "b/model.bin", b"weights")
+
+    assert response.status_code == 201, response.content
+    ((closes, open_meanwhile),) = held
+    assert closes == 1
+    # Django keeps a test run's in-memory SQLite database open whatever it is told; any other database closes
+    assert open_meanwhile is connection.is_in_memory_db() if connection.vendor == "sqlite" else not open_meanwhile
+    assert Artifact.objects.get(job_id=job.pk).size == len(b"weights")

@@ -5,6 +5,7 @@ import threading
 
 import pytest
 from asgiref.sync import async_to_sync, iscoroutinefunction, sync_to_async
+from django.conf import settings
 from django.core import signals
 from django.test import AsyncClient, Client
 
@@ -90,8 +91,6 @@ def test_a_static_file_is_served_through_the_asgi_application():
 
 
 def test_requests_run_on_the_fixed_request_threads():
-    from django.conf import settings
-
     handler = application.requests
     assert handler.threads._max_workers == settings.REQUEST_THREADS
     names = set()
@@ -105,3 +104,30 @@ def test_requests_run_on_the_fixed_request_threads():
         async_to_sync(sync_to_async(record, thread_sensitive=False, executor=handler.threads))(None)
     assert names and all(n.startswith("request") for n in names)
     assert len(names) <= settings.REQUEST_THREADS
+
+
+@pytest.mark.django_db(transaction=True)
+def test_artifact_transfers_run_on_their_own_threads_and_other_requests_on_the_request_threads():
+    ran = []
+
+    def started(sender, **kwargs):
+        ran.append(threading.current_thread().name.split("_")[0])
+
+    signals.request_started.connect(started)
+    try:
+        for method, path in (
+            ("PUT", f"{protocol.UPLOAD_PATH}/bucket/model.bin"),  # an attempt's upload
+            ("GET", f"{protocol.UPLOAD_PATH}/bucket/model.bin"),  # its resume download
+            ("GET", "/api/artifacts/1/download"),  # an operator's download
+            ("GET", protocol.QUEUE_PATH),
+            ("POST", protocol.job_status_path("j_1")),
+        ):
+            status, _, _ = async_to_sync(asgi_request)(application, method, path)
+            assert status in (401, 403), (method, path, status)  # no token: refused, but through the chain
+    finally:
+        signals.request_started.disconnect(started)
+
+    assert ran == ["transfer", "transfer", "transfer", "request", "request"]
+    handler = application.requests
+    assert handler.transfer_threads._max_workers == settings.TRANSFER_THREADS
+    assert handler.threads is not handler.transfer_threads
