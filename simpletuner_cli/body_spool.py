@@ -1,5 +1,6 @@
 """daphne, with a request body handed to the application from daphne's own spool file as it reads it
-(and, for a server of many small requests, no form parsing and a garbage collector tuned for them).
+(and, for a server of many small requests, no form parsing and a garbage collector tuned for them), and a
+response body sent no faster than its client takes it.
 
 daphne (4.2) spools a request body to a temporary file (Twisted does, past 100 KB), then puts the whole
 of it, 8 KB at a time, on the application's unbounded input queue in one go: a 1 GB upload is 1 GB
@@ -90,6 +91,44 @@ class SpooledBodyQueue:
         return {"type": "http.request", "body": data, "more_body": True}
 
 
+class _Drain:
+    """A push producer registered on a response while its connection's send buffer is full: Twisted's
+    HTTPChannel resumes it once the buffer has drained (or stops it when the connection is lost)."""
+
+    __slots__ = ("ready",)
+
+    def __init__(self):
+        self.ready = asyncio.Event()
+
+    def pauseProducing(self):
+        self.ready.clear()
+
+    def resumeProducing(self):
+        self.ready.set()
+
+    def stopProducing(self):
+        self.ready.set()
+
+
+async def transport_drained(request):
+    """Return once ``request``'s connection can take more of its response: at once, unless Twisted has paused its
+    HTTPChannel for a full send buffer; then when it resumes, or when the connection is lost.
+
+    daphne writes whatever the application sends straight into Twisted's buffer, so without this a body
+    read faster than its client takes it (a large download over a slow link) piles up in memory.
+    """
+    channel = getattr(request, "channel", None)
+    if channel is None or not getattr(channel, "_waitingForTransport", False) or request.producer is not None:
+        return
+    drain = _Drain()
+    request.registerProducer(drain, True)
+    try:
+        await drain.ready.wait()
+    finally:
+        if request.producer is drain and request.channel is not None:
+            request.unregisterProducer()
+
+
 class SpooledBodyServer(Server):
     def run(self):
         tune_gc()  # the application is imported and built by now
@@ -105,6 +144,13 @@ class SpooledBodyServer(Server):
         if hasattr(protocol, "_parsePOSTFormSubmission"):
             protocol._parsePOSTFormSubmission = False
         super().protocol_connected(protocol)
+
+    async def handle_reply(self, protocol, message):
+        """daphne's own; after a part of a response body that more will follow, wait while the client's
+        connection is full (``transport_drained``)."""
+        await super().handle_reply(protocol, message)
+        if message.get("type") == "http.response.body" and message.get("more_body"):
+            await transport_drained(protocol)
 
     def create_application(self, protocol, scope):
         """daphne's own, with a SpooledBodyQueue for an HTTP request (its body is in ``protocol.content``)."""

@@ -1,5 +1,6 @@
 """The operators' side of the artifact store: download one file (the job's API detail lists them)."""
 
+from asgiref.sync import sync_to_async
 from django.http import FileResponse
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework.views import APIView
@@ -12,15 +13,31 @@ from ..models import Artifact
 from ..storage import CHUNK_BYTES, file_open
 
 
+async def _chunks(opened):
+    """The file ``opened``, CHUNK_BYTES at a time, each read on a thread (S3 reads over the network); closed at the end."""
+    read = sync_to_async(opened.read, thread_sensitive=False)
+    try:
+        while chunk := await read(CHUNK_BYTES):
+            yield chunk
+    finally:
+        opened.close()
+
+
 def artifact_response(artifact):
     """Return a streamed response of ``artifact``'s file, with its size and SHA-256; raise NotFound if the
-    storage lost it."""
+    storage lost it.
+
+    The body is an async iterator: under ASGI, Django reads a plain file response (a sync iterator) whole
+    into memory before it sends a byte (a 256 MiB download took the server's RSS up by 513 MiB,
+    ``bench/upload_memory.py``). Chunk by chunk, and with the server waiting while the client's connection
+    is full (``simpletuner_cli.body_spool``), a download holds a few chunks whatever its size.
+    """
     try:
         opened = file_open(artifact.storage_name)
     except FileNotFoundError:
         raise NotFound(f"the file of {artifact.key} is gone from the artifact storage") from None
-    response = FileResponse(opened, as_attachment=True, filename=artifact.key.rsplit("/", 1)[-1])
-    response.block_size = CHUNK_BYTES
+    response = FileResponse(_chunks(opened), as_attachment=True, filename=artifact.key.rsplit("/", 1)[-1])
+    response.set_headers(opened)  # a file response's own headers (type, disposition), as if it read ``opened`` itself
     response["Content-Length"] = str(artifact.size)
     response["ETag"] = f'"{artifact.sha256}"'
     response["X-Checksum-SHA256"] = artifact.sha256

@@ -9,6 +9,7 @@ from moto.server import ThreadedMotoServer
 
 from artifacts.models import Artifact
 from artifacts.sweeps import sweep_expired_artifacts
+from artifacts.tests.support import downloaded
 from artifacts.tests.test_uploads import put, release, running_job, uploader
 from job_queue.dispatch import dispatch_for_job
 from simpletuner_site import settings as site_settings
@@ -93,7 +94,7 @@ def test_replace_download_and_refusals_on_s3(s3, bearer_client, commit, settings
 
     downloader = bearer_client(UserFactory(permissions=["artifacts.download_artifact"]))
     response = downloader.get(f"/api/artifacts/{artifact.pk}/download")
-    assert response.status_code == 200 and b"".join(response.streaming_content) == b"second"
+    assert response.status_code == 200 and downloaded(response) == b"second"
     assert response["X-Checksum-SHA256"] == hashlib.sha256(b"second").hexdigest()
 
     settings.SIMPLETUNER = {**settings.SIMPLETUNER, "ARTIFACT_MAX_BYTES": 3}
@@ -117,7 +118,7 @@ def test_resume_from_s3_and_a_dead_token_on_s3(s3, commit):
     fresh = uploader(event["data"]["upload_token"]).get(item["download_url"])
     stale = uploader(token).get(item["download_url"])
 
-    assert fresh.status_code == 200 and b"".join(fresh.streaming_content) == b"four"
+    assert fresh.status_code == 200 and downloaded(fresh) == b"four"
     assert stale.status_code == 409
 
 

@@ -6,6 +6,7 @@ import pytest
 from rest_framework.test import APIClient
 
 from artifacts.models import Artifact, AttemptSteps, Checkpoint
+from artifacts.tests.support import downloaded
 from artifacts.tokens import upload_token
 from audit import actions
 from job_queue.dispatch import dispatch_for_job
@@ -257,7 +258,7 @@ def test_a_requeued_job_resumes_from_its_latest_complete_checkpoint(worker_clien
     assert item["key"] == "out/checkpoint-20/model.bin" and item["sha256"] == hashlib.sha256(b"twenty").hexdigest()
     new_token = event["data"]["upload_token"]
     download = uploader(new_token).get(item["download_url"])
-    assert download.status_code == 200 and b"".join(download.streaming_content) == b"twenty"
+    assert download.status_code == 200 and downloaded(download) == b"twenty"
     assert download["X-Checksum-SHA256"] == item["sha256"]
     assert uploader(token).get(item["download_url"]).status_code == 409  # the lost attempt's token is dead
     job.refresh_from_db()
@@ -295,7 +296,7 @@ def test_the_job_detail_lists_artifacts_and_steps_and_download_checks_the_permis
     assert viewer.get(artifact["download_url"]).status_code == 403
     downloader = bearer_client(UserFactory(permissions=["artifacts.download_artifact"]))
     response = downloader.get(artifact["download_url"])
-    assert response.status_code == 200 and b"".join(response.streaming_content) == b"final weights"
+    assert response.status_code == 200 and downloaded(response) == b"final weights"
 
 
 def test_the_job_admin_page_shows_the_artifacts(staff_client):
@@ -345,3 +346,30 @@ def test_an_upload_gives_its_database_connection_back_while_the_body_goes_to_sto
     # Django keeps a test run's in-memory SQLite database open whatever it is told; any other database closes
     assert open_meanwhile is connection.is_in_memory_db() if connection.vendor == "sqlite" else not open_meanwhile
     assert Artifact.objects.get(job_id=job.pk).size == len(b"weights")
+
+
+def test_a_download_streams_chunk_by_chunk_with_a_file_responses_headers(artifact_storage_dir, commit, settings, monkeypatch):
+    """Under ASGI Django reads a sync iterator whole before sending a byte: a download is an async iterator of
+    the storage's chunks instead, with the headers a file response gives (type, disposition, size, checksum)."""
+    import artifacts.api.views
+
+    monkeypatch.setattr(artifacts.api.views, "CHUNK_BYTES", 4)
+    job, _, token = running_job()
+    with commit():
+        assert put(token, "b/out/model.safetensors", b"0123456789").status_code == 201
+
+    response = uploader(token).get(f"{protocol.UPLOAD_PATH}/b/out/model.safetensors")
+
+    assert response.status_code == 200
+    chunks = []
+
+    async def read():
+        async for chunk in response.streaming_content:
+            chunks.append(chunk)
+
+    from asgiref.sync import async_to_sync
+
+    async_to_sync(read)()
+    assert chunks == [b"0123", b"4567", b"89"]
+    assert response["Content-Length"] == "10" and response["Content-Type"] == "application/octet-stream"
+    assert response["Content-Disposition"] == 'attachment; filename="model.safetensors"'

@@ -109,3 +109,55 @@ def test_the_server_freezes_its_start_up_heap_and_collects_young_objects_less_of
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+def connected_request():
+    """A Twisted HTTPChannel on a test transport, and a request on it (daphne's WebRequest is one)."""
+    from twisted.internet.testing import StringTransport
+    from twisted.web.http import HTTPChannel, Request
+
+    channel = HTTPChannel()
+    channel.makeConnection(StringTransport())
+    return channel, Request(channel)
+
+
+def test_a_response_goes_on_at_once_while_its_connection_takes_it():
+    from simpletuner_cli.body_spool import transport_drained
+
+    _, request = connected_request()
+
+    asyncio.run(asyncio.wait_for(transport_drained(request), 1))
+
+    assert request.producer is None  # nothing registered when nothing waits
+
+
+def test_a_response_waits_while_its_connections_send_buffer_is_full_and_goes_on_when_it_drains():
+    from simpletuner_cli.body_spool import _Drain, transport_drained
+
+    channel, request = connected_request()
+    channel.pauseProducing()  # what the transport does when its send buffer passes its limit
+
+    async def run():
+        waiting = asyncio.create_task(transport_drained(request))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and isinstance(request.producer, _Drain)
+        channel.resumeProducing()  # the buffer drained
+        await asyncio.wait_for(waiting, 1)
+
+    asyncio.run(run())
+    assert request.producer is None
+
+
+def test_a_response_waiting_on_a_lost_connection_goes_on():
+    from simpletuner_cli.body_spool import transport_drained
+
+    channel, request = connected_request()
+    channel.pauseProducing()
+
+    async def run():
+        waiting = asyncio.create_task(transport_drained(request))
+        await asyncio.sleep(0.05)
+        channel.stopProducing()  # the connection is going away
+        await asyncio.wait_for(waiting, 1)
+
+    asyncio.run(run())
