@@ -122,7 +122,9 @@ class OrchestratorClient:
         # session-level setting, which would silently ignore --ca-cert and --ssl-no-verify.
         self.verify = verify
         self.worker_id = None
-        self._scheme_probed = False  # a wrong scheme is looked for once, at the first failure that suggests it
+        # A wrong scheme is looked for once, at the first failure that suggests it, and never once the orchestrator
+        # has answered over this URL: then a reset or a closed connection is the network's, not the scheme's.
+        self._scheme_probed = False
         self._local = threading.local()  # in_call: this thread is inside a call interrupt() may break
 
     def url(self, path):
@@ -227,6 +229,7 @@ class OrchestratorClient:
             raise FatalError(f"invalid orchestrator URL {self.base_url!r}: {exc}") from None
         except requests.exceptions.RequestException as exc:
             raise TransientError(f"{method} {path} failed: {exc.__class__.__name__}") from None
+        self._scheme_probed = True  # an HTTP answer over this URL: its scheme is right
         if response.status_code < 400:
             return response
         body = _body(response)

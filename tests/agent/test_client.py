@@ -172,3 +172,30 @@ def test_interrupt_outside_a_call_and_from_another_thread_does_nothing():
 
     c.session.script.append(from_another_thread)
     assert c.heartbeat({}) == {"status": "idle"} and seen == [None]
+
+
+@pytest.mark.parametrize("failure", ["Connection reset by peer", "RemoteDisconnected('Remote end closed connection')"])
+def test_a_connection_lost_after_the_orchestrator_answered_is_transient_never_a_wrong_scheme(monkeypatch, failure):
+    """Once the orchestrator has answered over the URL, a reset (a proxy cut, a restart) says nothing of its
+    scheme: no probe, and the agent goes on retrying instead of leaving with a fatal 'wrong scheme'."""
+    import worker_agent.client
+
+    probes = []
+    monkeypatch.setattr(worker_agent.client, "speaks_plain_http", lambda *a, **k: probes.append(a) or True)
+    c = client(FakeResponse(200, {"worker_id": "w_1"}), requests.exceptions.ConnectionError(failure))
+    c.register({"name": "n"})
+
+    with pytest.raises(TransientError):
+        c.heartbeat({"status": "idle"})
+    assert probes == []
+
+
+def test_a_reset_before_any_answer_still_looks_for_a_wrong_scheme(monkeypatch):
+    import worker_agent.client
+
+    monkeypatch.setattr(worker_agent.client, "speaks_plain_http", lambda *a, **k: True)
+    c = client(requests.exceptions.ConnectionError("Connection reset by peer"))
+
+    with pytest.raises(FatalError) as caught:
+        c.register({"name": "n"})
+    assert "speaks plain HTTP, not HTTPS" in str(caught.value)
