@@ -238,7 +238,7 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 # PostgreSQL's goes back to the pool after each request. SQLite takes one writer at a time, so more
 # threads there only wait on its lock. On PostgreSQL a few more than the process's one core of Python
 # (the GIL) keep it busy while some wait on the database; as many as the pool's 20 only traded the GIL
-# among themselves: lifecycle throughput 15-21% lower with 20 than with 8 (BENCHMARKS.md).
+# among themselves: lifecycle throughput 3-31% lower with 20 than with 8 (BENCHMARKS.md).
 _SQLITE = DATABASES["default"]["ENGINE"].endswith("sqlite3")
 _POSTGRES_REQUEST_THREADS = 8
 REQUEST_THREADS = _env_int(
