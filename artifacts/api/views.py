@@ -1,6 +1,9 @@
 """The operators' side of the artifact store: download one file (the job's API detail lists them)."""
 
+from concurrent.futures import ThreadPoolExecutor
+
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.http import FileResponse
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework.views import APIView
@@ -13,9 +16,14 @@ from ..models import Artifact
 from ..storage import CHUNK_BYTES, file_open
 
 
+# A download's reads (over the network from S3) run here, not in the event loop's default executor, whose few
+# threads open and close the worker streams (realtime.db). A download reads one chunk at a time: one thread each.
+_READS = ThreadPoolExecutor(max_workers=settings.TRANSFER_THREADS, thread_name_prefix="transfer-read")
+
+
 async def _chunks(opened):
-    """The file ``opened``, CHUNK_BYTES at a time, each read on a thread (S3 reads over the network); closed at the end."""
-    read = sync_to_async(opened.read, thread_sensitive=False)
+    """The file ``opened``, CHUNK_BYTES at a time, each read on a download thread; closed at the end."""
+    read = sync_to_async(opened.read, thread_sensitive=False, executor=_READS)
     try:
         while chunk := await read(CHUNK_BYTES):
             yield chunk

@@ -351,6 +351,10 @@ def test_an_upload_gives_its_database_connection_back_while_the_body_goes_to_sto
 def test_a_download_streams_chunk_by_chunk_with_a_file_responses_headers(artifact_storage_dir, commit, settings, monkeypatch):
     """Under ASGI Django reads a sync iterator whole before sending a byte: a download is an async iterator of
     the storage's chunks instead, with the headers a file response gives (type, disposition, size, checksum)."""
+    import threading
+
+    from asgiref.sync import async_to_sync, sync_to_async
+
     import artifacts.api.views
 
     monkeypatch.setattr(artifacts.api.views, "CHUNK_BYTES", 4)
@@ -361,15 +365,23 @@ def test_a_download_streams_chunk_by_chunk_with_a_file_responses_headers(artifac
     response = uploader(token).get(f"{protocol.UPLOAD_PATH}/b/out/model.safetensors")
 
     assert response.status_code == 200
-    chunks = []
+    chunks, readers = [], set()
+
+    def reading_on(read, **kwargs):  # the view's own sync_to_async, noting the thread each read runs on
+        def noted(*args):
+            readers.add(threading.current_thread().name.rsplit("_", 1)[0])
+            return read(*args)
+
+        return sync_to_async(noted, **kwargs)
+
+    monkeypatch.setattr(artifacts.api.views, "sync_to_async", reading_on)
 
     async def read():
         async for chunk in response.streaming_content:
             chunks.append(chunk)
 
-    from asgiref.sync import async_to_sync
-
     async_to_sync(read)()
     assert chunks == [b"0123", b"4567", b"89"]
+    assert readers == {"transfer-read"}  # the download threads, never the loop's default executor (the streams')
     assert response["Content-Length"] == "10" and response["Content-Type"] == "application/octet-stream"
     assert response["Content-Disposition"] == 'attachment; filename="model.safetensors"'
