@@ -1,5 +1,5 @@
 """ASGI entry point: streams run on the event loop without a thread each; every other request makes one hop to a
-request thread from a fixed pool."""
+request thread from a fixed pool (an artifact transfer to a pool of its own)."""
 
 import os
 

@@ -344,7 +344,7 @@ def test_an_upload_gives_its_database_connection_back_while_the_body_goes_to_sto
     ((closes, open_meanwhile),) = held
     assert closes == 1
     # Django keeps a test run's in-memory SQLite database open whatever it is told; any other database closes
-    assert open_meanwhile is connection.is_in_memory_db() if connection.vendor == "sqlite" else not open_meanwhile
+    assert open_meanwhile == (connection.vendor == "sqlite" and connection.is_in_memory_db())
     assert Artifact.objects.get(job_id=job.pk).size == len(b"weights")
 
 

@@ -139,7 +139,7 @@ def test_a_response_waits_while_its_connections_send_buffer_is_full_and_goes_on_
 
     async def run():
         waiting = asyncio.create_task(transport_drained(request))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0)  # one turn: the task runs up to its wait
         assert not waiting.done() and isinstance(request.producer, _Drain)
         channel.resumeProducing()  # the buffer drained
         await asyncio.wait_for(waiting, 1)
@@ -156,7 +156,7 @@ def test_a_response_waiting_on_a_lost_connection_goes_on():
 
     async def run():
         waiting = asyncio.create_task(transport_drained(request))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0)  # one turn: the task runs up to its wait
         channel.stopProducing()  # the connection is going away
         await asyncio.wait_for(waiting, 1)
 
