@@ -34,7 +34,7 @@ from common.admin_kit import (
 from common.errors import InvalidInput, ServiceError
 from workers.onboarding import parse_label_pairs
 
-from . import permissions, worker_admin  # noqa: F401 (worker_admin registers the Workers page with its rotate action)
+from . import permissions, worker_admin  # noqa: F401 (worker_admin registers the Workers page)
 from .admin_artifacts import artifacts_html, attempt_steps_text
 from .admin_configs import stored_config_html
 from .api.serializers import JobSubmitSerializer

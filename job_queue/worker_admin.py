@@ -1,8 +1,8 @@
-"""The Workers page's actions that reach a worker's job or the queue (registered as the Workers page):
-rotating its token, putting it back in service after a drain, editing its labels.
+"""The Workers page, registered here (once): ``workers.admin.WorkerAdmin`` plus the actions that reach a
+worker's job or the queue: rotating its token, putting it back in service after a drain, editing its labels.
 
-``workers.admin.WorkerAdmin`` holds the page; these actions end a job or offer queued jobs, which only
-``job_queue.fleet`` may do, so they live here, in a subclass registered in its place.
+These actions end a job or offer queued jobs, which only ``job_queue.fleet`` may do; ``workers`` sits
+below ``job_queue`` and cannot import it, so the page is completed and registered in this layer.
 """
 
 from django import forms
@@ -38,6 +38,7 @@ class WorkerLabelsForm(forms.Form):
             raise forms.ValidationError(exc.detail) from None
 
 
+@admin.register(Worker)
 class FleetWorkerAdmin(WorkerAdmin):
     actions = [*WorkerAdmin.actions, "undrain_workers", "rotate_token"]
     object_buttons = (*WorkerAdmin.object_buttons, "undrain", "rotate", "labels")
@@ -196,6 +197,3 @@ def rotation_changes(worker, job):
         )
     return changes
 
-
-admin.site.unregister(Worker)  # workers.admin registered the page without the rotate action
-admin.site.register(Worker, FleetWorkerAdmin)

@@ -1,9 +1,11 @@
-"""The Workers page: the fleet with live statuses; add a worker (token shown once), drain, delete.
+"""The Workers page's base: the fleet with live statuses; add a worker (token shown once), drain, delete.
 
 Nothing here writes a worker: every action calls the same service as the API (workers.services),
 so the audit rows and the events an agent receives are identical whichever way an operator acts.
-Each action first shows what it will change and asks for confirmation. Rotating a token reaches the
-worker's job too, so that action is added by ``job_queue.worker_admin``, which registers this page.
+Each action first shows what it will change and asks for confirmation. ``WorkerAdmin`` is not
+registered here: rotating a token, undraining and editing labels reach the worker's job or the queue,
+which only ``job_queue`` may touch, so ``job_queue.worker_admin`` subclasses it and registers the page
+(once). This module registers the Tokens page only.
 """
 
 from django import forms
@@ -94,7 +96,6 @@ class WorkerAddForm(forms.Form):
             raise forms.ValidationError(exc.detail) from None
 
 
-@admin.register(Worker)
 class WorkerAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
     list_display = ["name", "status_display", "worker_type", "gpus", "labels_display", "current_job_display", "heartbeat"]
     live_fields = ("status_display", "gpus", "current_job_display", "heartbeat")

@@ -567,3 +567,29 @@ def test_the_label_filter_offers_every_key_even_beside_a_high_cardinality_one(rf
 
     assert "zone=eu" in choices
     assert len([c for c in choices if c.startswith("host=")]) == 20
+
+
+# --- one registration -----------------------------------------------------------------------------
+
+
+def test_the_workers_page_is_registered_once_as_the_fleet_admin():
+    """job_queue registers the Workers page; workers.admin defines its base and registers no Worker page."""
+    import importlib.util
+    from unittest import mock
+
+    from django.contrib import admin as django_admin
+    from django.contrib.admin.sites import AdminSite
+
+    import workers.admin
+    from job_queue.worker_admin import FleetWorkerAdmin
+
+    assert type(django_admin.site._registry[Worker]) is FleetWorkerAdmin
+
+    probe_site = AdminSite(name="probe")
+    spec = importlib.util.spec_from_file_location("workers.admin_probe", workers.admin.__file__)
+    module = importlib.util.module_from_spec(spec)
+    with mock.patch("django.contrib.admin.sites.site", probe_site), mock.patch.object(django_admin, "site", probe_site):
+        spec.loader.exec_module(module)  # workers/admin.py's module code, registering on the probe site
+
+    assert Worker not in probe_site._registry
+    assert type(django_admin.site._registry[Worker]) is FleetWorkerAdmin
