@@ -89,17 +89,17 @@ def main():
         from job_queue.services import job_submit
         from workers import events as worker_events
         from worker_agent import protocol
-        from workers.models import TokenKind, Worker
+        from workers.models import TokenKind, Worker, WorkerStatus
         from workers.services import api_token_create, token_issue
 
         user = get_user_model().objects.create_superuser(username="bench-operator")
         operator = Actor.for_user(user, "127.0.0.1")
         client = Client(HTTP_AUTHORIZATION=f"Bearer {api_token_create(user=user, actor=operator)}")
         fleet = Worker.objects.bulk_create(
-            [Worker(name=f"bench-{i}", status="idle", stream_id=f"s{i}") for i in range(args.workers + 2 * (args.runs + 11))]
+            [Worker(name=f"bench-{i}", status=WorkerStatus.IDLE, stream_id=f"s{i}") for i in range(args.workers + 2 * (args.runs + 11))]
         )
         for worker in fleet:
-            worker_events.publish_on_commit(worker.pk, "ping")  # outside a transaction: stored and pushed now
+            worker_events.publish_on_commit(worker.pk, protocol.PING)  # outside a transaction: stored and pushed now
         print(
             f"{db.__class__.__name__}{' + Redis' if os.environ.get('REDIS_URL') else ''}; Python "
             f"{platform.python_version()}, Django {django.get_version()}; {os.cpu_count()} CPUs; "
@@ -125,11 +125,11 @@ def main():
         report("api submit", timed(api_submit, args.runs), statements, commits)
 
         # The completion: one worker, a backlog; each run completes its job, which dispatches the next.
-        Worker.objects.filter(status="idle").update(stream_id=None)  # the fleet leaves: the backlog below queues
+        Worker.objects.filter(status=WorkerStatus.IDLE).update(stream_id=None)  # the fleet leaves: the backlog below queues
         for _ in range(2 * args.runs + 24):
             job_submit(config_name="backlog", actor=operator)
-        worker = Worker.objects.create(name="bench-completing", status="idle", stream_id="s")
-        worker_events.publish_on_commit(worker.pk, "ping")
+        worker = Worker.objects.create(name="bench-completing", status=WorkerStatus.IDLE, stream_id="s")
+        worker_events.publish_on_commit(worker.pk, protocol.PING)
         from job_queue.dispatch import dispatch_for_worker
 
         dispatch_for_worker(worker.pk)
@@ -137,13 +137,13 @@ def main():
 
         def running():
             job = Job.objects.get(worker_id=worker.pk, status=JobStatus.DISPATCHED)
-            job_report(worker_id=worker.pk, job_id=job.pk, data={"status": "running", "attempt": job.lease_id},
+            job_report(worker_id=worker.pk, job_id=job.pk, data={"status": protocol.RUNNING, "attempt": job.lease_id},
                        actor=Actor.for_worker(worker))
             state["job"] = job
 
         def complete():
             job = state["job"]
-            job_report(worker_id=worker.pk, job_id=job.pk, data={"status": "completed", "attempt": job.lease_id},
+            job_report(worker_id=worker.pk, job_id=job.pk, data={"status": protocol.COMPLETED, "attempt": job.lease_id},
                        actor=Actor.for_worker(worker))
 
         def measure_completion(name, operation):
@@ -156,12 +156,12 @@ def main():
             report(name, timed(operation, args.runs, prepare=running), statements, commits)
 
         measure_completion("completion", complete)
-        worker_client = Client(**{f"HTTP_{protocol.WORKER_TOKEN_HEADER.upper().replace('-', '_')}": token_issue(kind=TokenKind.WORKER, worker=worker)[1]})
+        worker_client = Client(headers={protocol.WORKER_TOKEN_HEADER: token_issue(kind=TokenKind.WORKER, worker=worker)[1]})
 
         def api_complete():
             job = state["job"]
-            response = worker_client.post(protocol.JOB_STATUS_PATH.format(job_id=job.pk),
-                                          {"status": "completed", "attempt": job.lease_id}, content_type="application/json")
+            response = worker_client.post(protocol.job_status_path(job.pk),
+                                          {"status": protocol.COMPLETED, "attempt": job.lease_id}, content_type="application/json")
             assert response.status_code == 200, response.content
 
         measure_completion("api completion", api_complete)

@@ -8,6 +8,8 @@ import psutil
 from fleet_http import Client, HTTPError
 from fleet_sim import summary_ms
 
+from worker_agent import protocol
+
 MEASURED = {"role": "measured"}
 LOST_AFTER_S = 10  # a submit not dispatched by then counts as lost in the latency figures
 
@@ -40,7 +42,7 @@ async def dispatch_latency(fleet, *, n, warmup, labels=MEASURED, submit_client=N
                 # and reported, not measured, and the run goes on rather than failing.
                 lost.append(job_id)
                 continue
-            done = await fleet.wait("completed", job_id)
+            done = await fleet.wait(protocol.COMPLETED, job_id)
             if i >= warmup:
                 refused += done is None  # the server refused the worker's report (see SimWorker._refused)
                 lat.append(t - t0)
@@ -90,7 +92,7 @@ async def throughput(fleet, *, workers, duration, warm=3.0, backlog=None, submit
 
     async def watch(job_id):
         try:
-            t = await fleet.wait("completed", job_id, timeout=warm + duration + 30)
+            t = await fleet.wait(protocol.COMPLETED, job_id, timeout=warm + duration + 30)
         except HTTPError:
             t = None  # never completed: not counted
 

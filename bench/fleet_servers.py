@@ -14,6 +14,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from worker_agent import protocol
+
 ROOT = Path(__file__).resolve().parent.parent
 PEER_DIR = Path(os.environ.get("PEER_DIR") or ROOT.parent / "shared" / "peer")
 
@@ -119,7 +121,7 @@ class Ours:
         if self.redis_url:
             self.procs.append(self._spawn([py, "manage.py", "run_sweeps"], "sweeps.log"))
         for port, proc in zip(self.ports, self.procs):
-            wait_http(f"http://127.0.0.1:{port}/api/workers/queue", proc=proc)
+            wait_http(f"http://127.0.0.1:{port}{protocol.QUEUE_PATH}", proc=proc)
         return self
 
     def admin_headers(self):

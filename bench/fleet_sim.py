@@ -197,13 +197,13 @@ class Fleet:
     def on_completed(self, worker, job_id, t):
         self.completions.append(t)
         self.completed.set()
-        fut = self._future(("completed", job_id))
+        fut = self._future((protocol.COMPLETED, job_id))
         if not fut.done():
             fut.set_result(t)
 
     def on_refused(self, job_id, status, http_status):
         self.refused.append((job_id, status, http_status))
-        fut = self._future(("completed", job_id))
+        fut = self._future((protocol.COMPLETED, job_id))
         if not fut.done():
             fut.set_result(None)
 

@@ -38,9 +38,9 @@ def main():
         from job_queue.models import Job
         from job_queue.services import lock_job
         from workers import services
-        from workers.models import TokenKind, Worker
+        from workers.models import TokenKind, Worker, WorkerStatus
 
-        worker = Worker.objects.create(name="bench", status="idle")
+        worker = Worker.objects.create(name="bench", status=WorkerStatus.IDLE)
         _, secret = services.token_issue(kind=TokenKind.WORKER, worker=worker)
         digest = services.hash_token(secret)
         job = Job.objects.create(config_name="bench")

@@ -40,9 +40,9 @@ def prepare(data_dir, count):
     script = (
         "import sys, django\n"
         "django.setup()\n"
-        "from workers.models import Worker, TokenKind\n"
+        "from workers.models import Worker, TokenKind, WorkerStatus\n"
         "from workers.services import token_issue\n"
-        f"workers = Worker.objects.bulk_create([Worker(name=f'bench-{{i}}', status='idle') for i in range({count})])\n"
+        f"workers = Worker.objects.bulk_create([Worker(name=f'bench-{{i}}', status=WorkerStatus.IDLE) for i in range({count})])\n"
         "for w in workers:\n"
         "    print(token_issue(kind=TokenKind.WORKER, worker=w)[1])\n"
     )

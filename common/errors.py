@@ -1,5 +1,7 @@
 """Domain errors raised by services; the API turns each into JSON ``{"code", "detail"}`` with its status."""
 
+from worker_agent import protocol
+
 
 class ServiceError(Exception):
     status_code = 400
@@ -42,7 +44,7 @@ class NotAuthenticated(ServiceError):
     """Credentials a service checks itself (an upload token) are missing or unknown."""
 
     status_code = 401
-    code = "not_authenticated"
+    code = protocol.NOT_AUTHENTICATED
 
 
 class TooLarge(ServiceError):

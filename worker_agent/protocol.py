@@ -201,6 +201,13 @@ class RegisterRequest(TypedDict, total=False):
     agent_version: str
 
 
+# The worker's type in a registration's answer (``worker_type``): a persistent worker (and the orchestrator's
+# built-in local one) stays between jobs; an ephemeral one runs one job, then leaves.
+WORKER_PERSISTENT = "persistent"
+WORKER_EPHEMERAL = "ephemeral"
+WORKER_LOCAL = "local"
+
+
 class ResumeJob(TypedDict):
     job_id: str
     status: str
@@ -211,7 +218,7 @@ class ResumeJob(TypedDict):
 class _RegisterResponseBase(TypedDict):
     worker_id: str
     status: str
-    worker_type: str
+    worker_type: str  # WORKER_PERSISTENT, WORKER_EPHEMERAL or WORKER_LOCAL
     draining: bool
     sse_url: str
     heartbeat_interval: float

@@ -189,7 +189,7 @@ class SessionMixin:
                 "operators see both", known_as, self.config.name
             )
         worker_type = result.get("worker_type")
-        persistent = {"persistent": True, "local": True, "ephemeral": False}.get(worker_type)
+        persistent = {protocol.WORKER_PERSISTENT: True, protocol.WORKER_LOCAL: True, protocol.WORKER_EPHEMERAL: False}.get(worker_type)
         if persistent is not None and persistent != self.config.persistent:
             logger.warning(
                 "This worker is %s on the orchestrator, but the agent was started %s: following the orchestrator "

@@ -6,15 +6,17 @@ import secrets
 from django.conf import settings
 from django.db import models
 
+from worker_agent import protocol
+
 
 def new_worker_id():
     return "w_" + secrets.token_hex(6)
 
 
 class WorkerType(models.TextChoices):
-    EPHEMERAL = "ephemeral", "Ephemeral"
-    PERSISTENT = "persistent", "Persistent"
-    LOCAL = "local", "Local (built into the orchestrator)"
+    EPHEMERAL = protocol.WORKER_EPHEMERAL, "Ephemeral"
+    PERSISTENT = protocol.WORKER_PERSISTENT, "Persistent"
+    LOCAL = protocol.WORKER_LOCAL, "Local (built into the orchestrator)"
 
 
 class WorkerStatus(models.TextChoices):

@@ -28,6 +28,8 @@ def test_event_types_statuses_and_codes_are_the_wire_values():
     assert protocol.REPORTED_STATUSES == ("starting", "training", "running", "completed", "failed", "cancelled")
     assert [protocol.AGENT_IDLE, protocol.AGENT_BUSY] == ["idle", "busy"]
     assert [protocol.TOKEN_REVOKED, protocol.WORKER_DELETED] == ["token_revoked", "worker_deleted"]
+    assert [protocol.WORKER_PERSISTENT, protocol.WORKER_EPHEMERAL, protocol.WORKER_LOCAL] == ["persistent", "ephemeral", "local"]
+    assert protocol.NOT_AUTHENTICATED == "not_authenticated"
     refusals = [protocol.JOB_NOT_OWNED, protocol.STALE_ATTEMPT, protocol.JOB_CANCELLED]
     assert refusals == ["job_not_owned", "stale_attempt", "job_cancelled"]
 

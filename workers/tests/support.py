@@ -13,12 +13,14 @@ import pytest
 from django.conf import settings
 from django.contrib.admin.utils import quote
 from django.contrib.messages import get_messages
+from django.http.request import HttpHeaders
 from django.urls import reverse
 from django_eventstream.models import Event
 from rest_framework.test import APIClient
 
 from audit.models import AuditEvent
 from realtime.publish import worker_channel
+from worker_agent import protocol
 
 from .factories import UserFactory, api_token, worker_token
 
@@ -180,7 +182,7 @@ def worker_client():
 
     def _make(worker, token=None):
         client = _json_client()
-        client.credentials(HTTP_X_WORKER_TOKEN=token or worker_token(worker))
+        client.credentials(**HttpHeaders.to_wsgi_names({protocol.WORKER_TOKEN_HEADER: token or worker_token(worker)}))
         return client
 
     return _make
