@@ -16,6 +16,7 @@ from .serializers import Serializer
 from .inputs import NO_NUL_PATTERN, QUERY_PARAM_MAX_CHARS, text_problem
 
 API_PREFIX = "/api/"
+ARTIFACTS_API_PREFIX = "/api/artifacts/"  # the operators' artifact downloads (serving.asgi runs them as transfers)
 
 _DRF_CODES = {
     status.HTTP_400_BAD_REQUEST: "bad_request",

@@ -2,7 +2,7 @@
 
 The view is async and does its two short DB touches (authenticate + mark open, mark closed) in a
 worker thread that releases its connection at once, so an idle stream holds no thread and no DB
-connection (see ``simpletuner_site.asgi`` for the handler that skips the per-request thread).
+connection (see ``serving.asgi`` for the handler that skips the per-request thread).
 """
 
 import logging

@@ -13,5 +13,5 @@ urlpatterns = [
     path(OPERATOR_FEED_PATH.lstrip("/"), operator_changes_stream, name="admin-live-changes"),
 ]
 
-# Paths whose requests run without Django's per-request thread (``simpletuner_site.asgi``).
+# Paths whose requests run without Django's per-request thread (``serving.asgi``).
 STREAM_PATHS = frozenset({protocol.STREAM_PATH, protocol.STREAM_PATH + "/", OPERATOR_FEED_PATH})

@@ -101,7 +101,7 @@ def run_server(args):
     )
     print("\n".join(lines), flush=True)
 
-    from .body_spool import SpooledBodyCommandLineInterface
+    from serving.daphne import SpooledBodyCommandLineInterface
 
     daphne_args = [
         "--endpoint",

@@ -233,7 +233,10 @@ else:
         }
     }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
-# Threads per server process running requests (everything but the streams; simpletuner_site.asgi). They
+# The serving package's fast paths (serving/__init__.py lists them): on by default; "off" serves every request
+# through Django's own ASGI handler and daphne as it comes, to tell a fast path's fault from the application's.
+FAST_PATHS = _env_bool("SIMPLETUNER_FAST_PATHS", True)
+# Threads per server process running requests (everything but the streams; serving.asgi). They
 # live as long as the process, so each keeps its database connection: SQLite's for CONN_MAX_AGE seconds;
 # PostgreSQL's goes back to the pool after each request. SQLite takes one writer at a time, so more
 # threads there only wait on its lock. On PostgreSQL a few more than the process's one core of Python

@@ -5,12 +5,10 @@ from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-
+from common.http import ARTIFACTS_API_PREFIX
 from observability.metrics import MetricsView
 
 from .landing import favicon, landing
-
-ARTIFACTS_API_PREFIX = "/api/artifacts/"  # the operators' artifact downloads (simpletuner_site.asgi runs them as transfers)
 
 urlpatterns = [
     # The streams before admin/: the admin's catch-all would otherwise answer the change feed.

@@ -38,7 +38,7 @@ def artifact_response(artifact):
     The body is an async iterator: under ASGI, Django reads a plain file response (a sync iterator) whole
     into memory before it sends a byte (a 256 MiB download took the server's RSS up by 513 MiB,
     ``bench/upload_memory.py``). Chunk by chunk, and with the server waiting while the client's connection
-    is full (``simpletuner_cli.body_spool``), a download holds a few chunks whatever its size.
+    is full (``serving.daphne``), a download holds a few chunks whatever its size.
     """
     try:
         opened = file_open(artifact.storage_name)

@@ -1,4 +1,4 @@
-"""The worker stream's lean path (``realtime.stream_endpoint``): a plain, valid stream opens without Django's
+"""The worker stream's lean path (``serving.streams``): a plain, valid stream opens without Django's
 request, with the view's head and text; every other request gets the view's answer, byte for byte."""
 
 import asyncio
@@ -11,8 +11,9 @@ from asgiref.testing import ApplicationCommunicator
 from django.test import override_settings
 
 from audit.services import Actor
-from realtime import stream_endpoint
-from simpletuner_site.asgi import StreamASGIHandler, application
+from serving import streams as stream_endpoint  # noqa: I001
+from serving.asgi import StreamASGIHandler
+from simpletuner_site.asgi import application
 from simpletuner_site.tests.asgi_support import asgi_exchange, rest_of_body
 from worker_agent import protocol
 from workers.models import Token, Worker

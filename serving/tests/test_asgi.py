@@ -10,7 +10,8 @@ from django.core import signals
 from django.test import AsyncClient, Client
 
 from common.middleware import StaticFilesMiddleware
-from simpletuner_site.asgi import SyncChainASGIHandler, application
+from serving.asgi import PooledASGIHandler
+from simpletuner_site.asgi import application
 from simpletuner_site.tests.asgi_support import asgi_request
 from worker_agent import protocol
 
@@ -39,7 +40,7 @@ def test_a_static_file_is_served_by_an_async_chain():
 
 def test_requests_other_than_streams_enter_one_sync_chain():
     handler = application.requests
-    assert isinstance(handler, SyncChainASGIHandler)
+    assert isinstance(handler, PooledASGIHandler)
     assert iscoroutinefunction(handler._middleware_chain)  # entered with one hop ...
     # ... and everything inside it is sync: no middleware was adapted to async mode
     assert not any(iscoroutinefunction(m) for m in handler._view_middleware)
@@ -53,15 +54,22 @@ def test_the_api_answers_through_the_sync_chain():
 
 
 @pytest.mark.django_db(transaction=True)
-def test_an_api_requests_signals_run_on_its_request_threads_not_the_shared_sync_thread():
-    ran = []
+def test_an_api_request_runs_on_a_request_thread_and_djangos_signals_are_sent_once_each(monkeypatch):
+    from workers.authentication import WorkerTokenAuthentication
+
+    ran, authenticate = [], WorkerTokenAuthentication.authenticate
+
+    def recording(self, request):
+        ran.append(("view", threading.current_thread().name))
+        return authenticate(self, request)
 
     def started(sender, **kwargs):
-        ran.append(("started", threading.current_thread().name, "scope" in kwargs))
+        ran.append(("started", "scope" in kwargs))
 
     def finished(sender, **kwargs):
-        ran.append(("finished", threading.current_thread().name, False))
+        ran.append(("finished", None))
 
+    monkeypatch.setattr(WorkerTokenAuthentication, "authenticate", recording)
     signals.request_started.connect(started)
     signals.request_finished.connect(finished)
     try:
@@ -71,9 +79,10 @@ def test_an_api_requests_signals_run_on_its_request_threads_not_the_shared_sync_
         signals.request_finished.disconnect(finished)
 
     assert status in (401, 403)
-    assert [(signal, name.startswith("request_"), scope) for signal, name, scope in ran] == [
-        ("started", True, True),
-        ("finished", True, False),
+    assert [(event, value if event != "view" else value.startswith("request_")) for event, value in ran] == [
+        ("started", True),
+        ("view", True),
+        ("finished", None),
     ], ran
 
 
@@ -107,27 +116,52 @@ def test_requests_run_on_the_fixed_request_threads():
 
 
 @pytest.mark.django_db(transaction=True)
-def test_artifact_transfers_run_on_their_own_threads_and_other_requests_on_the_request_threads():
-    ran = []
+def test_artifact_transfers_run_on_their_own_threads_and_other_requests_on_the_request_threads(monkeypatch):
+    import serving.asgi
 
-    def started(sender, **kwargs):
+    ran, close_old_connections = [], serving.asgi.close_old_connections
+
+    def recording():
         ran.append(threading.current_thread().name.split("_")[0])
+        close_old_connections()
 
-    signals.request_started.connect(started)
-    try:
-        for method, path in (
-            ("PUT", f"{protocol.UPLOAD_PATH}/bucket/model.bin"),  # an attempt's upload
-            ("GET", f"{protocol.UPLOAD_PATH}/bucket/model.bin"),  # its resume download
-            ("GET", "/api/artifacts/1/download"),  # an operator's download
-            ("GET", protocol.QUEUE_PATH),
-            ("POST", protocol.job_status_path("j_1")),
-        ):
-            status, _, _ = async_to_sync(asgi_request)(application, method, path)
-            assert status in (401, 403), (method, path, status)  # no token: refused, but through the chain
-    finally:
-        signals.request_started.disconnect(started)
+    monkeypatch.setattr(serving.asgi, "close_old_connections", recording)  # before and after each request's chain
+    for method, path in (
+        ("PUT", f"{protocol.UPLOAD_PATH}/bucket/model.bin"),  # an attempt's upload
+        ("GET", f"{protocol.UPLOAD_PATH}/bucket/model.bin"),  # its resume download
+        ("GET", "/api/artifacts/1/download"),  # an operator's download
+        ("GET", protocol.QUEUE_PATH),
+        ("POST", protocol.job_status_path("j_1")),
+    ):
+        status, _, _ = async_to_sync(asgi_request)(application, method, path)
+        assert status in (401, 403), (method, path, status)  # no token: refused, but through the chain
 
-    assert ran == ["transfer", "transfer", "transfer", "request", "request"]
+    assert ran == ["transfer"] * 6 + ["request"] * 4
     handler = application.requests
     assert handler.transfer_threads._max_workers == settings.TRANSFER_THREADS
     assert handler.threads is not handler.transfer_threads
+
+
+def test_with_the_fast_paths_off_every_request_goes_to_djangos_own_handler(settings):
+    from django.core.handlers.asgi import ASGIHandler
+
+    from serving.asgi import FastPathsASGIHandler, build_application
+
+    settings.FAST_PATHS = False
+    assert type(build_application()) is ASGIHandler
+    settings.FAST_PATHS = True
+    assert type(build_application()) is FastPathsASGIHandler
+
+
+@pytest.mark.django_db(transaction=True)
+def test_with_the_fast_paths_off_the_api_answers_as_with_them_on():
+    from serving.asgi import build_application
+
+    answers = [
+        async_to_sync(asgi_request)(build_application(fast_paths), "GET", protocol.QUEUE_PATH)
+        for fast_paths in (True, False)
+    ]
+    (status_on, headers_on, body_on), (status_off, headers_off, body_off) = answers
+    assert status_on == status_off == 401
+    assert body_on == body_off
+    assert headers_on == headers_off

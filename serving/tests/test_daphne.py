@@ -3,7 +3,7 @@
 import asyncio
 import tempfile
 
-from simpletuner_cli.body_spool import READ_BYTES, SpooledBodyQueue
+from serving.daphne import READ_BYTES, SpooledBodyQueue
 
 
 def feed_like_daphne(queue, content, buffer_size=8192):
@@ -80,26 +80,10 @@ def test_a_waiting_reader_is_woken_by_the_first_chunk():
     assert asyncio.run(run()) == {"type": "http.request", "body": b"hello", "more_body": False}
 
 
-def test_a_request_skips_twisteds_form_parsing():
-    from simpletuner_cli.body_spool import SpooledBodyServer
-
-    class Request:
-        _parsePOSTFormSubmission = True  # as twisted.web.http.Request.__init__ leaves it
-
-    server = SpooledBodyServer(application=None, endpoints=["tcp:port=0:interface=127.0.0.1"])  # not run
-    server.connections = {}  # as run() starts it
-    request = Request()
-
-    server.protocol_connected(request)
-
-    assert request._parsePOSTFormSubmission is False
-    assert request in server.connections
-
-
 def test_the_server_freezes_its_start_up_heap_and_collects_young_objects_less_often():
     import gc
 
-    from simpletuner_cli.body_spool import GC_THRESHOLDS, tune_gc
+    from serving.daphne import GC_THRESHOLDS, tune_gc
 
     before = gc.get_threshold()
     try:
@@ -122,7 +106,7 @@ def connected_request():
 
 
 def test_a_response_goes_on_at_once_while_its_connection_takes_it():
-    from simpletuner_cli.body_spool import transport_drained
+    from serving.daphne import transport_drained
 
     _, request = connected_request()
 
@@ -132,7 +116,7 @@ def test_a_response_goes_on_at_once_while_its_connection_takes_it():
 
 
 def test_a_response_waits_while_its_connections_send_buffer_is_full_and_goes_on_when_it_drains():
-    from simpletuner_cli.body_spool import _Drain, transport_drained
+    from serving.daphne import _Drain, transport_drained
 
     channel, request = connected_request()
     channel.pauseProducing()  # what the transport does when its send buffer passes its limit
@@ -149,7 +133,7 @@ def test_a_response_waits_while_its_connections_send_buffer_is_full_and_goes_on_
 
 
 def test_a_response_waiting_on_a_lost_connection_goes_on():
-    from simpletuner_cli.body_spool import transport_drained
+    from serving.daphne import transport_drained
 
     channel, request = connected_request()
     channel.pauseProducing()

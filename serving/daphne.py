@@ -1,6 +1,6 @@
-"""daphne, with a request body handed to the application from daphne's own spool file as it reads it
-(and, for a server of many small requests, no form parsing and a garbage collector tuned for them), and a
-response body sent no faster than its client takes it.
+"""daphne, with a request body handed to the application from daphne's own spool file as it reads it, and a
+response body sent no faster than its client takes it (both always: they bound the server's memory); and, with
+the fast paths on, no form parsing and a garbage collector tuned for a server of many small requests.
 
 daphne (4.2) spools a request body to a temporary file (Twisted does, past 100 KB), then puts the whole
 of it, 8 KB at a time, on the application's unbounded input queue in one go: a 1 GB upload is 1 GB
@@ -16,6 +16,8 @@ from functools import partial
 
 from daphne.cli import CommandLineInterface
 from daphne.server import Server
+from django.conf import settings
+from twisted.web import http
 
 READ_BYTES = 1024 * 1024
 
@@ -131,17 +133,20 @@ async def transport_drained(request):
 
 class SpooledBodyServer(Server):
     def run(self):
-        tune_gc()  # the application is imported and built by now
+        if settings.FAST_PATHS:
+            tune_gc()  # the application is imported and built by now
         super().run()
 
     def protocol_connected(self, protocol):
-        """daphne's own; an HTTP request also skips Twisted's parsing of a form body into ``request.args``.
+        """daphne's own; with the fast paths on, an HTTP request also skips Twisted's parsing of a form body into
+        ``request.args`` (``_parsePOSTFormSubmission``, which ``serving/tests/test_canaries.py`` holds to its
+        meaning on the real ``twisted.web.http.Request``).
 
         daphne hands the application the raw body and never reads ``args``, and Twisted's parse of the
         Content-Type alone (through the ``email`` package, for every POST) cost a quarter of the event
         loop's time under a stream of small POSTs such as heartbeats.
         """
-        if hasattr(protocol, "_parsePOSTFormSubmission"):
+        if settings.FAST_PATHS and isinstance(protocol, http.Request):
             protocol._parsePOSTFormSubmission = False
         super().protocol_connected(protocol)
 

@@ -17,10 +17,10 @@ from django.conf import settings
 from django.core.handlers.asgi import ASGIHandler
 from django.http import QueryDict
 
-from common.lean_asgi import plain_headers, replay, security_headers
+from realtime.streams import STREAM_HEADERS, open_plain, resume_from, stream_body
 from worker_agent import protocol
 
-from .streams import STREAM_HEADERS, open_plain, resume_from, stream_body
+from .lean import plain_headers, replay, security_headers
 
 PATH = protocol.STREAM_PATH
 TOKEN_HEADER = protocol.WORKER_TOKEN_HEADER.lower().encode("latin-1")

@@ -26,12 +26,12 @@ from rest_framework import exceptions
 from rest_framework.renderers import JSONRenderer
 
 from common.http import API_PREFIX
-from common.lean_asgi import plain_headers, replay, security_headers
 from common.parsers import JSONParser
+from job_queue import agents
 from worker_agent import protocol
 from workers.api.serializers import HeartbeatSerializer
 
-from .. import agents
+from .lean import plain_headers, replay, security_headers
 
 logger = logging.getLogger(__name__)
 
@@ -39,26 +39,19 @@ PATH = protocol.HEARTBEAT_PATH
 TOKEN_HEADER = protocol.WORKER_TOKEN_HEADER.lower().encode("latin-1")
 JSON_TYPES = frozenset({b"application/json", b"application/json; charset=utf-8", b"application/json;charset=utf-8"})
 ACCEPTED = frozenset({None, b"*/*", b"application/json"})  # what HeartbeatView would answer with JSON too
-FIELDS = HeartbeatSerializer().fields  # bound once; each field's own checks run per request
 
 
 def heartbeat_fields(body):
-    """Return the validated fields of a heartbeat ``body`` as ``HeartbeatSerializer`` would, or None where
-    it (or the parser before it) would refuse the body: the full path then answers with the reasons."""
+    """Return the validated fields of a heartbeat ``body`` (``HeartbeatSerializer``'s own validation, whole), or
+    None where it (or the parser before it) would refuse the body: the full path then answers with the reasons."""
     try:
         data = JSONParser().parse(io.BytesIO(body))
     except exceptions.APIException:
         return None
-    if not isinstance(data, dict):
+    serializer = HeartbeatSerializer(data=data)
+    if not serializer.is_valid():
         return None
-    validated = {}
-    try:
-        for name, field in FIELDS.items():
-            if name in data:
-                validated[name] = field.run_validation(data[name])
-    except (exceptions.ValidationError, exceptions.APIException):
-        return None
-    return validated
+    return serializer.validated_data
 
 
 def record_heartbeats(batch):

@@ -1,4 +1,4 @@
-"""The heartbeat's lean path (``job_queue.api.heartbeat``): a heartbeat that changes no state is answered
+"""The heartbeat's lean path (``serving.heartbeat``): a heartbeat that changes no state is answered
 without DRF and its transaction, exactly as before; every other heartbeat falls through to ``worker_heartbeat``."""
 
 import asyncio
@@ -20,9 +20,10 @@ from audit.models import AuditEvent
 from audit.services import Actor
 from job_queue import agents
 from job_queue.models import JobStatus
-from job_queue.api.heartbeat import LivenessWriter
+from serving.heartbeat import LivenessWriter
 from job_queue.tests.factories import JobFactory, job_on_worker
-from simpletuner_site.asgi import SyncChainASGIHandler, application
+from serving.asgi import PooledASGIHandler
+from simpletuner_site.asgi import application
 from simpletuner_site.tests.asgi_support import asgi_request
 from worker_agent import protocol
 from workers.models import Token, Worker, WorkerStatus
@@ -150,7 +151,7 @@ def test_the_lean_answer_is_the_full_paths_byte_for_byte(full_path, case, secure
                            SECURE_HSTS_SECONDS=3600):
         lean = post(body, token=token, headers=proxy)
         assert full_path == []
-        full = post_full(body, token=token, headers=proxy, handler=SyncChainASGIHandler())
+        full = post_full(body, token=token, headers=proxy, handler=PooledASGIHandler())
     assert len(full_path) == 1  # the second went through HeartbeatView
     assert lean == full
     assert (b"Strict-Transport-Security" in lean[1]) is secure
