@@ -6,7 +6,7 @@ stored in PostgreSQL), a non-finite number, or too much. Text a trainer produced
 ``log_tail``, ``error`` and ``progress``) is arbitrary bytes from a program nobody here controls: it
 is cleaned (``clean_text``, ``clean_trainer_json``) and stored, never refused, because refusing a
 report loses the log and can leave a job running. The limits an operator may change are settings
-(``SIMPLETUNER_MAX_*``, README "Limits"); the rest are the columns' own sizes.
+(``SIMPLETUNER_MAX_*``, docs/api.md, "Limits"); the rest are the columns' own sizes.
 """
 
 import json

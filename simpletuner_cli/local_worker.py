@@ -1,7 +1,7 @@
 """The built-in local worker: `simpletuner server` runs the worker agent as a supervised subprocess.
 
 It is the same program as on a remote GPU node (``python -m worker_agent``), reaching this server over
-loopback. Jobs with target ``local`` run only on it; ``auto`` jobs fall back to it (see README).
+loopback. Jobs with target ``local`` run only on it; ``auto`` jobs fall back to it (see docs/operator-guide.md).
 """
 
 import contextlib

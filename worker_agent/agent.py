@@ -3,7 +3,7 @@
 All state lives on the main thread. The stream reader, the job's waiter and the signal handlers only
 post messages to its queue, so every decision (start, stop, report, exit) is taken in one place.
 
-Rules (README, "The worker agent"):
+Rules (docs/agent-guide.md):
 - A dispatch's trainer starts only once the dispatch is acknowledged: ``starting`` answered 200, a
   heartbeat naming the job and attempt answered with the job as this worker's, or a re-register naming
   them answered with ``resume_job``. Transient failures are retried with backoff (the loop goes on)

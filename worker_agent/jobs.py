@@ -3,8 +3,8 @@
 ``JobsMixin`` holds no state of its own: its methods run on the agent's main thread over the state
 ``Agent.__init__`` declares (agent.py).
 
-A dispatched job waits in ``pending_ack`` until its dispatch is acknowledged (README, "The worker
-agent"); only then does its trainer start. A finished job's result is journaled (journal.py) before it
+A dispatched job waits in ``pending_ack`` until its dispatch is acknowledged (docs/agent-guide.md,
+"What it does"); only then does its trainer start. A finished job's result is journaled (journal.py) before it
 is reported, and stays in ``pending_report`` until the orchestrator answers.
 """
 

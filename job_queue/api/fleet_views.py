@@ -59,7 +59,7 @@ class AdminWorkerUndrainView(APIView):
 
 
 class WorkerLabelsSerializer(Serializer):
-    labels = Labels(help_text="The worker's new labels, name -> value (they replace the old ones); the rules: README, Limits.")
+    labels = Labels(help_text="The worker's new labels, name -> value (they replace the old ones); the rules: docs/api.md, Limits.")
 
 
 class AdminWorkerLabelsView(APIView):

@@ -19,7 +19,7 @@ class JobSubmitSerializer(Serializer):
     config = BoundedJSON(types=(dict,), required=False, default=dict)
     dataloader = BoundedJSON(types=(dict, list), required=False, allow_null=True, default=None)
     target = serializers.ChoiceField(choices=JobTarget.choices, default=JobTarget.WORKER)
-    worker_labels = Labels(required=False, default=dict, help_text="Label name -> glob; the rules: README, Limits.")
+    worker_labels = Labels(required=False, default=dict, help_text="Label name -> glob; the rules: docs/api.md, Limits.")
     gpu_count = BoundedInt(required=False, allow_null=True, min_value=0, max_value=GPU_COUNT_MAX, default=None)
     priority = BoundedInt(required=False, default=0, min_value=-1000, max_value=1000)
     max_retries = BoundedInt(required=False, allow_null=True, min_value=0, max_value=100, default=None)

@@ -1,4 +1,4 @@
-"""The permission groups an operator team needs: viewer, operator, admin (README, "Permissions").
+"""The permission groups an operator team needs: viewer, operator, admin (docs/api.md, "Permissions").
 
 Idempotent: run again, it adds what is missing and takes nothing away, so permissions an
 administrator added to these groups stay.

@@ -349,8 +349,8 @@ def test_a_stream_refused_or_with_the_librarys_own_parameters_never_leaves_a_pha
 
 
 def test_a_second_stream_for_a_worker_never_strands_its_jobs(orchestrator, fleet):
-    """The README's curl stream beside a running agent: both get the worker's events, and when the
-    curl closes the agent's stream still serves, so a job submitted then reaches it at once (issue 14.1)."""
+    """The curl stream of docs/operator-guide.md beside a running agent: both get the worker's events, and
+    when the curl closes the agent's stream still serves, so a job submitted then reaches it at once (issue 14.1)."""
     pool = {"pool": fleet.tag}
     worker = fleet.create_worker(labels=pool)
     worker.register()

@@ -88,7 +88,7 @@ class WorkerCreateSerializer(Serializer):
     worker_type = serializers.ChoiceField(
         choices=[WorkerType.EPHEMERAL, WorkerType.PERSISTENT], default=WorkerType.PERSISTENT
     )
-    labels = Labels(required=False, help_text="Name -> value; the rules: README, Limits.")
+    labels = Labels(required=False, help_text="Name -> value; the rules: docs/api.md, Limits.")
 
 
 class WorkerCreatedSerializer(WorkerSerializer):
