@@ -44,7 +44,7 @@ agent-wheel: install
 	rm -rf build/agent
 	@ls dist/simpletuner_worker_agent-*.whl
 
-## Benchmarks (see BENCHMARKS.md)
+## Benchmarks (see docs/benchmarks.md)
 bench: install
 	$(PY) bench/stream_cost.py --streams 2000
 	$(PY) bench/sweep_cost.py
@@ -53,7 +53,7 @@ bench: install
 	$(PY) bench/dispatch_cost.py
 	$(PY) bench/prepared_cost.py
 
-## Chaos soak (see RELIABILITY.md): agents and the orchestrator killed while jobs run, then an audit of
+## Chaos soak (see docs/reliability.md): agents and the orchestrator killed while jobs run, then an audit of
 ## lost / twice-completed / inconsistent jobs. SEED=n replays a run's chaos plan; the default is random (printed).
 SEED ?= $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
 soak: install

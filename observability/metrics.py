@@ -239,7 +239,7 @@ class ErrorsAsJSON(BaseContentNegotiation):
 
 
 class MetricsView(APIView):
-    """GET /metrics: Prometheus exposition. Who may read it is ``SIMPLETUNER_METRICS`` (see README)."""
+    """GET /metrics: Prometheus exposition. Who may read it is ``SIMPLETUNER_METRICS`` (see docs/production.md)."""
 
     schema = None  # not part of the /api/ OpenAPI description
     renderer_classes = [JSONRenderer]

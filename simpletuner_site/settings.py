@@ -1,4 +1,4 @@
-"""Settings for the SimpleTuner orchestrator, driven entirely by environment variables (see README)."""
+"""Settings for the SimpleTuner orchestrator, driven entirely by environment variables (see docs/configuration.md)."""
 
 import hashlib
 import hmac
@@ -88,7 +88,7 @@ if DATA_DIR.stat().st_mode & 0o077 and DATA_DIR.stat().st_uid == os.getuid():
     DATA_DIR.chmod(0o700)
 
 # Production mode: refuses to start with an example or weak secret key or without ALLOWED_HOSTS, and
-# turns on the HTTPS-only settings (`manage.py check --deploy` is clean). See SECURITY.md.
+# turns on the HTTPS-only settings (`manage.py check --deploy` is clean). See docs/security.md.
 PRODUCTION = _env_bool("SIMPLETUNER_PRODUCTION", False)
 EXAMPLE_SECRET_KEYS = {"CHANGE-ME", "change-me", "changeme", "secret", "django-insecure"}
 
@@ -241,7 +241,7 @@ FAST_PATHS = _env_bool("SIMPLETUNER_FAST_PATHS", True)
 # PostgreSQL's goes back to the pool after each request. SQLite takes one writer at a time, so more
 # threads there only wait on its lock. On PostgreSQL a few more than the process's one core of Python
 # (the GIL) keep it busy while some wait on the database; as many as the pool's 20 only traded the GIL
-# among themselves: lifecycle throughput 3-31% lower with 20 than with 8 (BENCHMARKS.md).
+# among themselves: lifecycle throughput 3-31% lower with 20 than with 8 (docs/benchmarks.md).
 _SQLITE = DATABASES["default"]["ENGINE"].endswith("sqlite3")
 _POSTGRES_REQUEST_THREADS = 8
 REQUEST_THREADS = _env_int(
@@ -323,18 +323,18 @@ SIMPLETUNER = {
     "LOCAL_WORKER_NAME": _local_worker_name(),
     # Who may read /metrics: operators (API token or session), public (no auth), off (404).
     "METRICS": _env_choice("SIMPLETUNER_METRICS", "operators", ("operators", "public", "off")),
-    # What a client may send (common.inputs; README "Limits"). Over a limit: 413 for the body, else 400.
+    # What a client may send (common.inputs; docs/api.md, "Limits"). Over a limit: 413 for the body, else 400.
     "MAX_REQUEST_BYTES": _env_int("SIMPLETUNER_MAX_REQUEST_BYTES", 1024 * 1024, minimum=64 * 1024, maximum=256 * 1024 * 1024),
     "MAX_JSON_DEPTH": _env_int("SIMPLETUNER_MAX_JSON_DEPTH", 32, minimum=8, maximum=200),
     "MAX_LABELS": _env_int("SIMPLETUNER_MAX_LABELS", 32, minimum=1, maximum=1000),
     "MAX_GPU_INFO_BYTES": _env_int("SIMPLETUNER_MAX_GPU_INFO_BYTES", 64 * 1024, minimum=1024, maximum=16 * 1024 * 1024),
-    # The artifact store (README "Configs and artifacts"): one file's limit, a job's quota, and how
+    # The artifact store (docs/operator-guide.md, "Configs and artifacts"): one file's limit, a job's quota, and how
     # many days an artifact is kept after its upload (0: kept until deleted by hand).
     "ARTIFACT_MAX_BYTES": _env_int("SIMPLETUNER_ARTIFACT_MAX_BYTES", 20 * 1024**3, minimum=1),
     "ARTIFACT_JOB_QUOTA_BYTES": _env_int("SIMPLETUNER_ARTIFACT_JOB_QUOTA_BYTES", 200 * 1024**3, minimum=1),
     "ARTIFACT_RETENTION_DAYS": _env_int("SIMPLETUNER_ARTIFACT_RETENTION_DAYS", 0, minimum=0, maximum=36500),
     "ARTIFACT_SWEEP_INTERVAL": _env_seconds("SIMPLETUNER_ARTIFACT_SWEEP_INTERVAL", 3600),
-    # Refuse (400 config_not_stored) a job whose config_name is not a stored config (README "Configs and artifacts").
+    # Refuse (400 config_not_stored) a job whose config_name is not a stored config (docs/operator-guide.md).
     "REQUIRE_STORED_CONFIG": _env_bool("SIMPLETUNER_REQUIRE_STORED_CONFIG", False),
 }
 
