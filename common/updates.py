@@ -1,12 +1,6 @@
 """One UPDATE for a set of rows that each get their own values: what the set-based status writers issue."""
 
-import copy
-import datetime
-import threading
-
-from django.db import connections, transaction
 from django.db.models import Case, F, Model, Q, Value, When
-from django.db.models.sql import UpdateQuery
 
 # Rows per statement. Each row's key appears at most once per CASE and once in the guard, so this keeps
 # a statement's parameters far below SQLite's and PostgreSQL's limits whatever the size of a sweep.
@@ -25,10 +19,6 @@ def update_rows(queryset, changes, *, key="pk", expect=None):
     those values (the status its writer read). Beyond ``ROWS_PER_UPDATE`` rows, one UPDATE per that many.
     """
     keys = list(changes)
-    if len(keys) == 1:  # a request's own write (one job, one worker, one attempt): compiled once per shape
-        written = _ONE_ROW.run(queryset, keys[0], changes[keys[0]], key=key, held=None if expect is None else expect[keys[0]])
-        if written is not None:
-            return written
     written = 0
     for start in range(0, len(keys), ROWS_PER_UPDATE):
         chunk = keys[start : start + ROWS_PER_UPDATE]
@@ -96,146 +86,3 @@ def _grouped(pairs):
                 unhashable.append((value, [k]))
     return [*groups.values(), *unhashable]
 
-
-# --- one row: the statement compiled once per shape -----------------------------------------------
-
-
-class _OneRowPlans:
-    """The UPDATE of one row, its SQL compiled by the ORM once per shape and run with each call's values.
-
-    Building the queryset and compiling the UPDATE took about 0.15 ms of Python a call, the statement
-    itself 0.02 ms on SQLite, and a request's writes are one row each (a submit: the job and the
-    worker; a completion: the attempt, the job, the worker, then the next dispatch's). The shape is the
-    model, the key, the fields written (in order) and guarded, and which values are NULL (SQL's
-    ``= NULL`` and ``IS NULL`` are written, not passed). The values go through the same preparation as
-    the ORM's (``get_db_prep_save`` for a written value, ``get_db_prep_value`` for a compared one);
-    each new plan is checked against the ORM's own compilation of two sets of values, and a shape whose
-    SQL or parameters differ from the ORM's, or that writes an expression (``F("n") + 1``), takes the
-    ORM's path every time. So does a queryset with filters of its own: guards are ``expect``.
-    """
-
-    MAX_PLANS = 256
-    _REFUSED = object()
-
-    def __init__(self):
-        self._plans = {}
-        self._lock = threading.Lock()
-
-    def run(self, queryset, row, values, *, key, held):
-        """UPDATE row ``row`` (``key``) of ``queryset`` with ``values`` while it holds ``held``; return the rows
-        written, or None where this shape is not planned (the caller takes the ORM's path)."""
-        queryset = queryset.all()
-        queryset._for_write = True  # its database is the one the ORM's update() would write to
-        query = queryset.query
-        if not values or query.where or query.is_sliced or any(_is_expression(v) for v in values.values()):
-            return None
-        held = held or {}
-        shape = (
-            queryset.db,
-            queryset.model,
-            key,
-            tuple((name, values[name] is None) for name in values),
-            tuple((name, held[name] is None) for name in sorted(held)),
-        )
-        plan = self._plans.get(shape)
-        if plan is None:
-            with self._lock:
-                plan = self._plans.get(shape)
-                if plan is None:
-                    if len(self._plans) >= self.MAX_PLANS:
-                        return None
-                    plan = self._plans[shape] = self._prepare(queryset, row, values, key=key, held=held)
-        if plan is self._REFUSED:
-            return None
-        connection = connections[queryset.db]
-        with transaction.mark_for_rollback_on_error(using=queryset.db), connection.cursor() as cursor:
-            cursor.execute(plan.sql, plan.params(connection, row, values, held))
-            return cursor.rowcount
-
-    def _prepare(self, queryset, row, values, *, key, held):
-        """Return the shape's plan, or ``_REFUSED`` unless it gives the ORM's SQL and parameters for two sets of values."""
-        plan = _OneRowPlan(queryset.model, key=key, values=values, held=held)
-        connection = connections[queryset.db]
-        steps = iter(range(1, 1 + 1 + len(values) + len(held)))
-        other = (_perturbed(row, next(steps)), {n: _perturbed(v, next(steps)) for n, v in values.items()},
-                 {n: _perturbed(v, next(steps)) for n, v in held.items()})
-        compiled = [(_orm_update(queryset, *given, key=key), given) for given in ((row, values, held), other)]
-        (sql, _), _ = compiled[0]
-        if any(s != sql or not _same(params, plan.params(connection, *given)) for (s, params), given in compiled):
-            return self._REFUSED
-        plan.sql = sql
-        return plan
-
-
-class _OneRowPlan:
-    """What varies in a one-row UPDATE's parameters: the values written, then the key and the guards, in the ORM's order."""
-
-    def __init__(self, model, *, key, values, held):
-        meta = model._meta
-        self.written = [(meta.get_field(name), values[name] is None) for name in values]
-        # Q(**kwargs) orders its conditions by name: the key's IN and the guards' equalities, so the parameters.
-        names = sorted([*held, f"{key}__in"])
-        self.compared = [(_field(meta, name.removesuffix("__in")), None if name.endswith("__in") else name) for name in names]
-        self.sql = None
-
-    def params(self, connection, row, values, held):
-        params = []
-        for (field, null), value in zip(self.written, values.values()):
-            if null:
-                continue
-            if isinstance(value, Model):
-                value = value.prepare_database_save(field)
-            params.append(field.get_db_prep_save(value, connection=connection))
-        for field, name in self.compared:
-            value = row if name is None else held[name]
-            if value is not None:
-                params.append(field.get_db_prep_value(value, connection, prepared=False))
-        return params
-
-
-def _field(meta, name):
-    return meta.pk if name == "pk" else meta.get_field(name)
-
-
-def _orm_update(queryset, row, values, held, *, key):
-    """The ORM's ``(sql, params)`` for ``update_rows`` of the one row ``row``."""
-    query = queryset.filter(Q(**held, **{f"{key}__in": [row]})).query.chain(UpdateQuery)
-    query.add_update_values(values)
-    return query.get_compiler(queryset.db).as_sql()
-
-
-def _is_expression(value):
-    return hasattr(value, "resolve_expression")
-
-
-def _perturbed(value, step):
-    """A value of ``value``'s kind that differs from it and from the others (``step``), to tell each parameter apart."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        return not value
-    if isinstance(value, Model):
-        other = copy.copy(value)
-        other.pk = _perturbed(value.pk, step)
-        return other
-    if isinstance(value, str):
-        return f"{value}\x1fother-{step}"
-    if isinstance(value, (int, float)):
-        return value + 1_000_003 * step
-    if isinstance(value, datetime.datetime):
-        return value + datetime.timedelta(days=step, microseconds=step)
-    if isinstance(value, dict):
-        return {**value, f"\x1fother-{step}": step}
-    if isinstance(value, list):
-        return [*value, f"\x1fother-{step}"]
-    return value  # another kind: the check below still holds the plan to the ORM's parameters for these values
-
-
-def _same(orm_params, params):
-    """Whether the plan's parameters are the ORM's (an adapter such as psycopg's Jsonb compared by what it holds)."""
-    return len(orm_params) == len(params) and all(
-        type(a) is type(b) and getattr(a, "obj", a) == getattr(b, "obj", b) for a, b in zip(orm_params, params)
-    )
-
-
-_ONE_ROW = _OneRowPlans()

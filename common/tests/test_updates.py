@@ -84,22 +84,7 @@ def test_rows_beyond_one_statement_go_in_several(monkeypatch):
     assert {pk: row[4] for pk, row in _stored(*jobs).items()} == {j.pk: f"e{n}" for n, j in enumerate(jobs)}
 
 
-# --- one row: compiled once per shape ---------------------------------------------------------------
-
-
-@pytest.fixture
-def plans(monkeypatch):
-    """A fresh plan cache, and a count of the ORM compilations of one-row UPDATEs."""
-    monkeypatch.setattr(updates._ONE_ROW, "_plans", {})
-    compiled = []
-    real = updates._orm_update
-
-    def counting(*args, **kwargs):
-        compiled.append(args)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(updates, "_orm_update", counting)
-    return compiled
+# --- one row: a request's own write -----------------------------------------------------------------
 
 
 def _one_row(job, worker, *, status=JobStatus.QUEUED, error="x"):
@@ -110,55 +95,31 @@ def _one_row(job, worker, *, status=JobStatus.QUEUED, error="x"):
     )
 
 
-def test_one_row_is_compiled_once_per_shape_and_written_as_the_orm_writes_it(plans):
+def test_one_row_is_written_with_its_values():
     worker = WorkerFactory()
     jobs = [JobFactory() for _ in range(3)]
 
     assert [_one_row(job, worker, error=f"e{n}") for n, job in enumerate(jobs)] == [1, 1, 1]
 
-    assert len(plans) == 2  # the first call's values and a second set, to check the plan against the ORM
-    assert updates._OneRowPlans._REFUSED not in updates._ONE_ROW._plans.values()
     assert {pk: row[:5] for pk, row in _stored(*jobs).items()} == {
         job.pk: (JobStatus.DISPATCHED, 0, worker.pk, {"fraction": 0.25}, f"e{n}") for n, job in enumerate(jobs)
     }
 
 
-def test_one_row_that_no_longer_holds_what_was_read_is_not_written(plans):
+def test_one_row_that_no_longer_holds_what_was_read_is_not_written():
     job, worker = JobFactory(), WorkerFactory()
-    assert _one_row(JobFactory(), worker) == 1  # the plan exists
     Job.objects.filter(pk=job.pk).update(status=JobStatus.CANCELLED)
 
     assert _one_row(job, worker) == 0
     assert _stored(job)[job.pk][0] == JobStatus.CANCELLED
 
 
-def test_a_null_value_is_a_shape_of_its_own(plans):
-    job, worker = JobFactory(), WorkerFactory()
-    assert _one_row(job, worker) == 1
+def test_null_and_expression_values_on_one_row():
+    job, worker = JobFactory(retry_count=1), WorkerFactory()
     assert update_rows(Job.objects, {job.pk: {"worker": None, "last_error": "gone"}}) == 1
     assert update_rows(Job.objects, {job.pk: {"worker": worker, "last_error": "back"}}) == 1
-
-    assert _stored(job)[job.pk][2:5:2] == (worker.pk, "back")
-    assert len(plans) == 6  # three shapes
-    assert updates._OneRowPlans._REFUSED not in updates._ONE_ROW._plans.values()
-
-
-def test_an_expression_or_a_filtered_queryset_takes_the_orms_path(plans):
-    job = JobFactory(retry_count=1)
     assert update_rows(Job.objects, {job.pk: {"retry_count": F("retry_count") + 1}}) == 1
-    assert update_rows(Job.objects.filter(status=JobStatus.QUEUED), {job.pk: {"last_error": "f"}}) == 1
+    assert update_rows(Job.objects.filter(status=JobStatus.DISPATCHED), {job.pk: {"last_error": "f"}}) == 0
 
-    assert plans == [] and updates._ONE_ROW._plans == {}
-    assert _stored(job)[job.pk][1::3] == (2, "f")
-
-
-def test_a_shape_whose_plan_differs_from_the_orm_takes_the_orms_path(plans, monkeypatch):
-    monkeypatch.setattr(updates._OneRowPlan, "params", lambda self, connection, row, values, held: ["wrong"])
-    job, worker = JobFactory(), WorkerFactory()
-
-    assert _one_row(job, worker) == 1
-    assert _one_row(JobFactory(), worker) == 1
-
-    assert set(updates._ONE_ROW._plans.values()) == {updates._OneRowPlans._REFUSED}
-    assert len(plans) == 2  # refused once, then the ORM's path each time
-    assert _stored(job)[job.pk][2] == worker.pk
+    assert _stored(job)[job.pk][1:5:2] == (2, {})
+    assert _stored(job)[job.pk][2::2] == (worker.pk, "back")
