@@ -67,17 +67,85 @@ class _Plan:
     annotations: tuple  # (attribute, column) pairs
 
 
-class PreparedQuery:
-    """``build(*shape, **values)`` returns a model queryset; ``run(*shape, **values)`` returns its rows as a list
-    of instances, ``first(*shape, **values)`` the first or None, without building or compiling it again.
-
-    ``shape`` is hashable and may change the SQL; each value is a str, int or datetime and must not.
-    """
+class _Compiled:
+    """A queryset's SQL compiled once per shape, and which of its parameter slots carry which of the call's values."""
 
     def __init__(self, build):
         self.build = build
         self._plans = {}
         self._lock = threading.Lock()
+
+    def _plan(self, shape, values):
+        key = (shape, tuple(sorted(values)))
+        prepared = self._plans.get(key)
+        if prepared is None:
+            with self._lock:
+                prepared = self._plans.get(key)
+                if prepared is None and len(self._plans) < MAX_PLANS:
+                    prepared = self._plans[key] = self._prepare(shape, values)
+        return prepared
+
+    def _compile(self, shape, values):
+        """Return ``(first queryset, its compiler, sql, slots, alias)`` for ``shape``, learning the slots from the
+        queryset built for ``values`` and for a second set derived from them; raise TypeError where the SQL
+        depends on the values, or a parameter is not one of them as given."""
+        other = {name: _perturbed(name, value, step) for step, (name, value) in enumerate(sorted(values.items()), 1)}
+        first, second = self.build(*shape, **values), self.build(*shape, **other)
+        alias = first.db
+        if alias != (router.db_for_write(first.model) if first.query.select_for_update else router.db_for_read(first.model)):
+            raise TypeError("a prepared query reads the model's default database")
+        compiler = first.query.get_compiler(using=alias)
+        sql, params = compiler.as_sql()
+        sql_other, params_other = second.query.get_compiler(using=alias).as_sql()
+        if sql != sql_other or len(params) != len(params_other):
+            raise TypeError(f"the query's SQL depends on its values; it cannot be prepared: {sql}")
+        connection = connections[alias]
+        slots = []
+        for index, (value, value_other) in enumerate(zip(params, params_other)):
+            if type(value) is type(value_other) and value == value_other:
+                slots.append((None, value))
+                continue
+            found = {
+                (name, adapter)
+                for name in values
+                for adapter in _adapters(values[name])
+                if adapter(connection, values[name]) == value and adapter(connection, other[name]) == value_other
+            }
+            names = {name for name, _ in found}
+            if len(names) != 1:
+                raise TypeError(f"parameter {index} of the query ({value!r}) is not one of its values as given; it cannot be prepared")
+            slots.append(min(found, key=lambda slot: slot[1] is not _identity))
+        return first, compiler, sql, tuple(slots), alias
+
+    @staticmethod
+    def _params(slots, connection, values):
+        return [constant if name is None else constant(connection, values[name]) for name, constant in slots]
+
+
+class PreparedSQL(_Compiled):
+    """``sql(*shape, **values)`` returns ``(sql, params)`` of the queryset ``build(*shape, **values)`` would run, without
+    building or compiling it again: the ORM's definition of a read, to embed in a statement of its own (a
+    subquery). ``shape`` and the values are as ``PreparedQuery`` takes them."""
+
+    def sql(self, *shape, **values):
+        prepared = self._plan(shape, values)
+        if prepared is None:
+            queryset = self.build(*shape, **values)
+            return queryset.query.get_compiler(using=queryset.db).as_sql()
+        sql, slots, alias = prepared
+        return sql, self._params(slots, connections[alias], values)
+
+    def _prepare(self, shape, values):
+        _, _, sql, slots, alias = self._compile(shape, values)
+        return sql, slots, alias
+
+
+class PreparedQuery(_Compiled):
+    """``build(*shape, **values)`` returns a model queryset; ``run(*shape, **values)`` returns its rows as a list
+    of instances, ``first(*shape, **values)`` the first or None, without building or compiling it again.
+
+    ``shape`` is hashable and may change the SQL; each value is a str, int or datetime and must not.
+    """
 
     def first(self, *shape, **values):
         rows = self.run(*shape, **values)
@@ -91,7 +159,7 @@ class PreparedQuery:
         connection = connections[alias]
         if plan.for_update and connection.features.has_select_for_update and connection.get_autocommit():
             raise TransactionManagementError("select_for_update cannot be used outside of a transaction.")
-        params = [constant if name is None else constant(connection, values[name]) for name, constant in plan.slots]
+        params = self._params(plan.slots, connection, values)
         with connection.cursor() as cursor:
             cursor.execute(plan.sql, params)
             rows = cursor.fetchall()
@@ -109,53 +177,18 @@ class PreparedQuery:
             out.append(obj)
         return out
 
-    def _plan(self, shape, values):
-        key = (shape, tuple(sorted(values)))
-        prepared = self._plans.get(key)
-        if prepared is None:
-            with self._lock:
-                prepared = self._plans.get(key)
-                if prepared is None and len(self._plans) < MAX_PLANS:
-                    prepared = self._plans[key] = self._prepare(shape, values)
-        return prepared
-
     def _prepare(self, shape, values):
-        other = {name: _perturbed(name, value, step) for step, (name, value) in enumerate(sorted(values.items()), 1)}
-        first, second = self.build(*shape, **values), self.build(*shape, **other)
+        first, compiler, sql, slots, alias = self._compile(shape, values)
         if first._iterable_class is not ModelIterable or first._prefetch_related_lookups or first._known_related_objects:
             raise TypeError("a prepared query returns model instances: no values(), prefetch_related() or known related objects")
-        alias = first.db
-        if alias != (router.db_for_write(first.model) if first.query.select_for_update else router.db_for_read(first.model)):
-            raise TypeError("a prepared query reads the model's default database")
-        compiler = first.query.get_compiler(using=alias)
-        sql, params = compiler.as_sql()
-        sql_other, params_other = second.query.get_compiler(using=alias).as_sql()
-        if sql != sql_other or len(params) != len(params_other):
-            raise TypeError(f"the query's SQL depends on its values; it cannot be prepared: {sql}")
         if compiler.has_extra_select:
             raise TypeError("a prepared query has no extra() columns")
-        connection = connections[alias]
-        slots = []
-        for index, (value, value_other) in enumerate(zip(params, params_other)):
-            if type(value) is type(value_other) and value == value_other:
-                slots.append((None, value))
-                continue
-            found = {
-                (name, adapter)
-                for name in values
-                for adapter in _adapters(values[name])
-                if adapter(connection, values[name]) == value and adapter(connection, other[name]) == value_other
-            }
-            names = {name for name, _ in found}
-            if len(names) != 1:
-                raise TypeError(f"parameter {index} of the query ({value!r}) is not one of its values as given; it cannot be prepared")
-            slots.append(min(found, key=lambda slot: slot[1] is not _identity))
         klass_info, select = compiler.klass_info, compiler.select
         fields = klass_info["select_fields"]
         return (
             _Plan(
                 sql=sql,
-                slots=tuple(slots),
+                slots=slots,
                 for_update=bool(first.query.select_for_update),
                 compiler=compiler,
                 model=klass_info["model"],

@@ -106,12 +106,17 @@ def worker_register(*, worker_id, data, actor):
 def worker_heartbeat(*, worker_id, data, actor):
     """Record liveness (and utilisation/progress if sent); return the worker's view of its state.
 
+    A heartbeat that changes no state is recorded by ``worker_heartbeat_liveness``, the one place that decides
+    what such a heartbeat is (the heartbeat's fast path records it there too); any other is handled here.
     Raise StaleReport if the agent names a job that is no longer its own; only that refusal's audit
     row is written then. A heartbeat never takes a worker out of draining; an offline worker that
     heartbeats comes back.
     """
-    reported_job_id = data.get("current_job_id") or None
     now = timezone.now()
+    answer = worker_heartbeat_liveness(worker_id=worker_id, data=data, now=now)
+    if answer is not None:  # it changed no state: recorded by the one rule that decides so
+        return answer
+    reported_job_id = data.get("current_job_id") or None
     with audited_atomic():
         worker = lock_worker(worker_id)
         refused = bool(reported_job_id) and str(reported_job_id) != worker.current_job_id
@@ -142,9 +147,10 @@ def worker_heartbeat(*, worker_id, data, actor):
     }
 
 
-def worker_heartbeat_liveness(*, secret, data, now=None):
-    """Authenticate a heartbeat by its worker token ``secret`` and record it, if it changes no state, with one
-    guarded UPDATE; return its response, or None.
+def worker_heartbeat_liveness(*, data, secret=None, worker_id=None, now=None):
+    """Record a heartbeat, if it changes no state, with one guarded UPDATE; return its response, or None. The
+    heartbeat is the worker's whose token is ``secret`` (authenticated by the same statement) or, for one
+    already authenticated, the worker ``worker_id``.
 
     Such a heartbeat (validated ``data``, as ``worker_heartbeat`` takes it) carries no progress or log,
     names no other worker, and comes from a worker that is not offline and either names no job while it
@@ -154,8 +160,13 @@ def worker_heartbeat_liveness(*, secret, data, now=None):
     audit row, as ``worker_heartbeat`` does for it. Anything else, a token refused included, returns
     None having written nothing: give it to the full path.
     """
-    (answer,) = _record_liveness([(secret, data)], now=now or timezone.now())
+    sender = secret if worker_id is None else _Authenticated(worker_id)
+    (answer,) = _record_liveness([(sender, data)], now=now or timezone.now())
     return answer
+
+
+class _Authenticated(str):
+    """The id of a worker whose heartbeat was authenticated already (by DRF), in place of a token's secret."""
 
 
 def worker_heartbeats_liveness(batch):
@@ -210,14 +221,19 @@ def _record_liveness(batch, *, now):
 
 def _liveness_statement(secret, data, now):
     """Return ``(sql, params)`` of the guarded UPDATE recording the heartbeat ``data`` sent with the token
-    ``secret``, or None for a heartbeat that is not plain by its body alone (progress, a log tail)."""
+    ``secret`` (or by the worker an ``_Authenticated`` names), or None for a heartbeat that is not plain by its
+    body alone (progress, a log tail). With ``_liveness_sql``, the one definition of a heartbeat that changes
+    no state."""
     if not secret or data.get("progress") is not None or data.get("log_tail") is not None:
         return None
     reported_job_id = data.get("current_job_id") or None
     attempt = data.get("attempt") or None
     claimed = data.get("worker_id") or None
     metrics = {k: data[k] for k in protocol.HEARTBEAT_METRIC_FIELDS if k in data}
-    token_worker, token_params, touch_due, touch_params = worker_token_sql(plaintext=secret, now=now)
+    if isinstance(secret, _Authenticated):
+        token_worker, token_params, touch_due, touch_params = "%s", [str(secret)], "NULL", []
+    else:
+        token_worker, token_params, touch_due, touch_params = worker_token_sql(plaintext=secret, now=now)
     sql = _liveness_sql(connection.vendor, bool(metrics), claimed is not None, reported_job_id is not None, attempt is not None)
     params = [_prep(Worker, "last_heartbeat", now)]
     if metrics:

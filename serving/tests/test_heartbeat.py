@@ -483,10 +483,10 @@ def test_a_batch_whose_transaction_fails_is_recorded_one_by_one_and_a_failing_he
 def test_a_heartbeat_the_lean_path_cannot_record_is_answered_by_the_full_path(full_path, monkeypatch):
     worker = _worker()
 
-    def broken(secret, data, now):
+    def broken(batch):
         raise OperationalError("server closed the connection unexpectedly")
 
-    monkeypatch.setattr(agents, "_liveness_statement", broken)
+    monkeypatch.setattr(agents, "worker_heartbeats_liveness", broken)  # the lean path's batch write
     status, _, body = post({"worker_id": worker.pk, "status": "idle"}, token=worker_token(worker))
 
     assert (status, json.loads(body)["status"]) == (200, "idle")
@@ -507,3 +507,31 @@ def test_a_batch_is_one_update_per_heartbeat_and_one_for_the_tokens_due_to_be_ma
     assert [sql.split()[1] for sql in writes] == ['"workers_worker"'] * 3 + ['"workers_token"']
     touched = Token.objects.filter(worker__in=workers[:2])
     assert touched.count() == 2 and all(token.last_used_at is not None for token in touched)
+
+
+@pytest.mark.parametrize("fast_paths", [True, False])
+def test_one_rule_decides_a_heartbeat_that_changes_nothing_on_either_route(monkeypatch, fast_paths):
+    """Through the fast path or Django's own handler, a plain heartbeat is recorded by the liveness rule (and
+    nothing else), and one that changes state is not."""
+    from django.core.handlers.asgi import ASGIHandler
+
+    from serving.asgi import FastPathsASGIHandler
+
+    recorded, rule = [], agents._record_liveness
+
+    def spy(batch, *, now):
+        answers = rule(batch, now=now)
+        recorded.extend(answer is not None for answer in answers)
+        return answers
+
+    monkeypatch.setattr(agents, "_record_liveness", spy)
+    app = FastPathsASGIHandler() if fast_paths else ASGIHandler()
+    plain, offline = _worker(), _worker(status=WorkerStatus.OFFLINE)
+    rows = AuditEvent.objects.count()
+
+    assert async_to_sync(_post)(app, {"status": "idle"}, token=worker_token(plain))[0] == 200
+    assert recorded == [True] and AuditEvent.objects.count() == rows
+    recorded.clear()
+    assert async_to_sync(_post)(app, {"status": "idle"}, token=worker_token(offline))[0] == 200
+    assert recorded and not any(recorded)  # refused by the rule: the full path brought the worker back
+    assert _reload(offline).status != WorkerStatus.OFFLINE
