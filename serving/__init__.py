@@ -26,7 +26,7 @@ route does. The pieces marked *bound* stay on: they keep the server's memory bou
 - ``streams.WorkerStreamEndpoint`` (fast path) opens a plain, valid worker stream without Django's request
   objects: 39.2 -> 25.9 KB per idle stream at 10,000 streams (``bench/stream_cost.py``).
 - ``lean`` holds what those two endpoints share: the request's headers read as Django reads them, the
-  security headers Django's middleware adds (held to the middleware by ``tests/test_lean.py`` on every
+  security headers Django's middleware adds (held to the middleware by ``serving/tests/test_lean.py`` on every
   route), and the replay of what was read to the fallback handler.
 - ``daphne.SpooledBodyQueue`` (bound) replaces daphne's unbounded input queue with reads from its spool
   file: a 1 GiB upload +1 GiB -> +5 MiB of memory (``bench/upload_memory.py``).
