@@ -15,7 +15,7 @@ def start_presence_beacon():
     from django.utils import timezone
 
     from simpletuner_site.scheduler import EmbeddedScheduler
-    from workers.services import presence_interval, server_presence_beat
+    from workers.presence import presence_interval, server_presence_beat
     from workers.streams import server_process_id
 
     hostname, pid = socket.gethostname(), os.getpid()
@@ -37,7 +37,7 @@ def end_presence():
 
     from django.db import DatabaseError, connections
 
-    from workers.services import server_presence_end
+    from workers.presence import server_presence_end
     from workers.streams import server_process_id
 
     try:

@@ -5,7 +5,7 @@ from datetime import timedelta
 from django.db.models import BooleanField, Count, Exists, ExpressionWrapper, Min, Q
 
 from .models import ServerPresence
-from .services import presence_interval
+from .presence import presence_interval
 
 
 def servers_silent_reason(*, now, timeout):

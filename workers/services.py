@@ -1,4 +1,5 @@
-"""Writes to workers and tokens that are the workers' own: tokens, creation, drain, rotation, deletion, presence.
+"""Writes to workers and tokens that are the workers' own: tokens, creation, drain, rotation, deletion, streams
+(server presence is ``workers.presence``).
 
 What an agent does that touches its job too (register, heartbeat, disconnect) is ``job_queue.agents``.
 """
@@ -22,7 +23,6 @@ from worker_agent import protocol
 
 from . import events
 from .models import (
-    ServerPresence,
     Token,
     TokenKind,
     Worker,
@@ -33,6 +33,7 @@ from .models import (
     token_display_prefix,
 )
 from .streams import live_server_processes, newest_stream_id, server_process_id, streams_with, streams_without
+from .presence import presence_interval
 from .transitions import workers_transition
 
 logger = logging.getLogger(__name__)
@@ -475,33 +476,3 @@ def auth_failure_audit(*, action, kind, address, details):
             details={"kind": kind, **details},
             success=False,
         )
-
-
-# --- server presence (who was up to hear heartbeats) ---------------------------------------------
-
-PRESENCE_KEEP = timedelta(days=7)
-
-
-def presence_interval():
-    """Return how often (seconds) a server writes its presence: at most every 10 s, and at least as
-    often as agents heartbeat, so a dead server is noticed before a worker's silence counts."""
-    from django.conf import settings
-
-    return min(10.0, float(settings.SIMPLETUNER["HEARTBEAT_INTERVAL"]))
-
-
-def server_presence_end(*, process_id):
-    """Record that server process ``process_id`` has stopped: it no longer counts as up (so the sweeps hold
-    back while no server is), and the streams it served count as closed when a worker's next stream opens."""
-    ServerPresence.objects.filter(pk=process_id).update(last_seen=timezone.now() - PRESENCE_KEEP / 2)
-
-
-def server_presence_beat(*, process_id, hostname, pid, started_at, now=None):
-    """Record that server process ``process_id`` is up now; forget processes silent for a week."""
-    now = now or timezone.now()
-    updated = ServerPresence.objects.filter(pk=process_id).update(last_seen=now)
-    if not updated:
-        ServerPresence.objects.create(
-            pk=process_id, hostname=hostname[:255], pid=pid, started_at=started_at, last_seen=now
-        )
-        ServerPresence.objects.filter(last_seen__lt=now - PRESENCE_KEEP).delete()

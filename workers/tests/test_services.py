@@ -199,7 +199,7 @@ def test_drain_of_a_never_connected_worker_marks_it_draining(commit):
 
 
 def test_a_stopped_server_counts_as_down_and_its_streams_as_closed(commit):
-    from workers.services import server_presence_beat, server_presence_end
+    from workers.presence import server_presence_beat, server_presence_end
 
     now = timezone.now()
     server_presence_beat(process_id="gone:1:aa", hostname="gone", pid=1, started_at=now)
