@@ -36,7 +36,8 @@ def add_server_command(subcommands):
         type=parse_host,
         default=DEFAULT_HOST,
         help=f"address to listen on (default: {DEFAULT_HOST}, this machine only; "
-        "--host 0.0.0.0 exposes the server on every IPv4 interface)",
+        "--host 0.0.0.0 exposes the server on every IPv4 interface). Outside production mode the server answers "
+        "requests for this address, the loopback names and this machine's names (DJANGO_ALLOWED_HOSTS replaces them)",
     )
     parser.add_argument("--port", type=parse_port, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})")
     parser.add_argument(

@@ -2,6 +2,7 @@
 
 import os
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from .endpoints import endpoint_string, listen_address, local_worker_endpoint, mask_url, public_url
 from .errors import CLIError
@@ -58,6 +59,10 @@ def run_server(args):
 
     refuse_port_in_use(args.host, args.port)
     os.environ["DJANGO_SETTINGS_MODULE"] = SETTINGS_MODULE
+    # Outside production mode ALLOWED_HOSTS admits these besides loopback and this machine's names (settings):
+    # the address listened on, and the name the local worker dials (a supplied certificate's, if not that).
+    local_worker_host = urlsplit(local_worker_endpoint(args.host, args.port, cert=supplied_cert)[0]).hostname
+    os.environ["SIMPLETUNER_SERVER_HOSTS"] = ",".join(dict.fromkeys([args.host, local_worker_host]))
     if args.ssl or supplied_cert is not None:
         os.environ["SIMPLETUNER_TLS"] = "true"  # secure cookies and HSTS (settings.SERVES_TLS)
     import django

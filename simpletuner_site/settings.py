@@ -122,7 +122,57 @@ SIMPLETUNER_AUDIT_KEY = os.environ.get("SIMPLETUNER_AUDIT_KEY") or hmac.new(
     SECRET_KEY.encode(), b"simpletuner.audit-chain.v1", hashlib.sha256
 ).hexdigest()
 DEBUG = _env_bool("DJANGO_DEBUG", False)
-ALLOWED_HOSTS = [h.strip() for h in os.environ.get("DJANGO_ALLOWED_HOSTS", "" if PRODUCTION else "*").split(",") if h.strip()]
+
+# The Host values a server answers to outside production mode when DJANGO_ALLOWED_HOSTS is not set: the
+# loopback names (Django's development default), the addresses in SIMPLETUNER_SERVER_HOSTS (set by
+# `simpletuner server`: its --host, every local interface address for 0.0.0.0 or ::, and the name its
+# built-in local worker dials), SIMPLETUNER_PUBLIC_URL's host, and this machine's names (host name, fully
+# qualified name) and the addresses its host name resolves to. Any other Host gets 400, so a page whose
+# DNS name is rebound to this machine cannot reach its API. DJANGO_ALLOWED_HOSTS, when not empty, is the list.
+LOOPBACK_ALLOWED_HOSTS = [".localhost", "127.0.0.1", "[::1]"]
+
+
+def _allowed_host(name):
+    """Return ``name`` as an ALLOWED_HOSTS entry: lower case; an IPv6 address bracketed, without its zone."""
+    name = name.strip().strip("[]").split("%", 1)[0].lower()
+    return f"[{name}]" if ":" in name else name
+
+
+def _wildcard(host):
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_unspecified
+    except ValueError:
+        return False
+
+
+def _default_allowed_hosts():
+    """Return ALLOWED_HOSTS outside production mode without DJANGO_ALLOWED_HOSTS (see above)."""
+    served = [h for h in os.environ.get("SIMPLETUNER_SERVER_HOSTS", "").split(",") if h.strip()]
+    hostname = socket.gethostname()
+    names = {*served, hostname, socket.getfqdn()}
+    try:
+        names |= {info[4][0] for info in socket.getaddrinfo(hostname, None)}
+    except OSError:  # a host name that does not resolve: the name alone
+        pass
+    if any(_wildcard(h) for h in served):
+        import psutil
+
+        families = (socket.AF_INET, socket.AF_INET6)
+        names |= {a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family in families}
+    try:
+        names.add(urlparse(os.environ.get("SIMPLETUNER_PUBLIC_URL", "")).hostname or "")
+    except ValueError:  # not a URL: refused below, with the reason
+        pass
+    extra = {_allowed_host(n) for n in names if n.strip()} - {"localhost", *LOOPBACK_ALLOWED_HOSTS}  # .localhost has it
+    return LOOPBACK_ALLOWED_HOSTS + sorted(extra)
+
+
+if os.environ.get("DJANGO_ALLOWED_HOSTS", "").strip() or PRODUCTION:
+    ALLOWED_HOSTS = [h.strip() for h in os.environ.get("DJANGO_ALLOWED_HOSTS", "").split(",") if h.strip()]
+else:
+    ALLOWED_HOSTS = _default_allowed_hosts()
 if PRODUCTION and (not ALLOWED_HOSTS or "*" in ALLOWED_HOSTS):
     raise ImproperlyConfigured(
         "production mode needs DJANGO_ALLOWED_HOSTS: the host names this orchestrator answers to "
