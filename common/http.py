@@ -11,6 +11,8 @@ from rest_framework import exceptions, serializers, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
+from worker_agent import protocol
+
 from .errors import InvalidInput, ServiceError
 from .serializers import Serializer
 from .inputs import NO_NUL_PATTERN, QUERY_PARAM_MAX_CHARS, text_problem
@@ -20,7 +22,7 @@ ARTIFACTS_API_PREFIX = "/api/artifacts/"  # the operators' artifact downloads (s
 
 _DRF_CODES = {
     status.HTTP_400_BAD_REQUEST: "bad_request",
-    status.HTTP_401_UNAUTHORIZED: "not_authenticated",
+    status.HTTP_401_UNAUTHORIZED: protocol.NOT_AUTHENTICATED,  # the wire protocol's 401 code
     status.HTTP_403_FORBIDDEN: "permission_denied",
     status.HTTP_404_NOT_FOUND: "not_found",
     status.HTTP_405_METHOD_NOT_ALLOWED: "method_not_allowed",
