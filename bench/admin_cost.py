@@ -113,7 +113,7 @@ def main():
         print(f"{AuditEvent.objects.count():,} audit rows added in {time.monotonic() - started:.1f} s", flush=True)
 
         admin = get_user_model().objects.create_superuser("bench-admin", "", None)
-        client = Client()
+        client = Client(SERVER_NAME="localhost")  # a name ALLOWED_HOSTS admits outside production mode (testserver is not)
         client.force_login(admin)
         Worker.objects.filter(pk=worker_ids[0]).update(labels={"gpu": "a100", "zone": "eu"})
         page_workers = ",".join(worker_ids[:100])

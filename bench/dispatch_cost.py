@@ -94,7 +94,8 @@ def main():
 
         user = get_user_model().objects.create_superuser(username="bench-operator")
         operator = Actor.for_user(user, "127.0.0.1")
-        client = Client(HTTP_AUTHORIZATION=f"Bearer {api_token_create(user=user, actor=operator)}")
+        # SERVER_NAME: a name ALLOWED_HOSTS admits outside production mode (the test client's testserver is not one)
+        client = Client(SERVER_NAME="localhost", HTTP_AUTHORIZATION=f"Bearer {api_token_create(user=user, actor=operator)}")
         fleet = Worker.objects.bulk_create(
             [Worker(name=f"bench-{i}", status=WorkerStatus.IDLE, stream_id=f"s{i}") for i in range(args.workers + 2 * (args.runs + 11))]
         )
@@ -156,7 +157,7 @@ def main():
             report(name, timed(operation, args.runs, prepare=running), statements, commits)
 
         measure_completion("completion", complete)
-        worker_client = Client(headers={protocol.WORKER_TOKEN_HEADER: token_issue(kind=TokenKind.WORKER, worker=worker)[1]})
+        worker_client = Client(SERVER_NAME="localhost", headers={protocol.WORKER_TOKEN_HEADER: token_issue(kind=TokenKind.WORKER, worker=worker)[1]})
 
         def api_complete():
             job = state["job"]
