@@ -19,6 +19,7 @@ from urllib.parse import urlsplit, urlunsplit
 import psutil
 import requests
 
+from worker_agent import protocol
 from worker_agent.session import socket_of
 from worker_agent.runner import parent_death_signal
 
@@ -366,17 +367,17 @@ class Orchestrator:
 
     def as_worker(self, token, method, path, **kwargs):
         """Call the API as a worker (``X-Worker-Token``)."""
-        headers = {"X-Worker-Token": token, **kwargs.pop("headers", {})}
+        headers = {protocol.WORKER_TOKEN_HEADER: token, **kwargs.pop("headers", {})}
         return self.request(method, path, headers=headers, **kwargs)
 
     def stream(self, token, *, last_event_id=None, params=None):
         """Open ``GET /api/workers/stream``; return the SSEClient (reading in the background when 200)."""
         headers = {}
         if token is not None:
-            headers["X-Worker-Token"] = token
+            headers[protocol.WORKER_TOKEN_HEADER] = token
         if last_event_id is not None:
             headers["Last-Event-ID"] = last_event_id
-        return SSEClient.connect(self.url("/api/workers/stream"), headers=headers, params=params)
+        return SSEClient.connect(self.url(protocol.STREAM_PATH), headers=headers, params=params)
 
     # queue and audit reads
 
@@ -617,18 +618,18 @@ class WorkerHandle:
 
     def register(self, body=None, *, status=200):
         body = {"name": self.name} if body is None else body
-        return expect(self.call("POST", "/api/workers/register", json=body), status)
+        return expect(self.call("POST", protocol.REGISTER_PATH, json=body), status)
 
     def heartbeat(self, body=None, *, status=200):
         body = {"worker_id": self.id, "status": "idle", "current_job_id": None} if body is None else body
-        return expect(self.call("POST", "/api/workers/heartbeat", json=body), status)
+        return expect(self.call("POST", protocol.HEARTBEAT_PATH, json=body), status)
 
     def report(self, job_id, status_value, *, status=200, **fields):
         body = {"status": status_value, **fields}
-        return expect(self.call("POST", f"/api/workers/job/{job_id}/status", json=body), status)
+        return expect(self.call("POST", protocol.job_status_path(job_id), json=body), status)
 
     def disconnect(self, *, status=200):
-        return expect(self.call("POST", "/api/workers/disconnect", json={"worker_id": self.id}), status)
+        return expect(self.call("POST", protocol.DISCONNECT_PATH, json={"worker_id": self.id}), status)
 
     def state(self):
         return self.orch.worker(self.id)
@@ -657,7 +658,7 @@ class Fleet:
         self.streams.append(client)
         assert client.status_code == 200, f"stream refused: HTTP {client.status_code}: {client.body[:500]!r}"
         if wait_open:
-            client.wait_for("stream-open")
+            client.wait_for(protocol.STREAM_OPEN)
         return client
 
     def submit(self, body, *, status=201):
@@ -668,6 +669,6 @@ class Fleet:
             client.close()
         for worker in self.workers:
             try:
-                worker.call("POST", "/api/workers/disconnect", json={})
+                worker.call("POST", protocol.DISCONNECT_PATH, json={})
             except requests.RequestException:
                 pass
