@@ -23,6 +23,7 @@ from workers.permissions import VIEW_WORKERS
 
 from .db import in_db_thread
 from .event_requests import event_request_for
+from .resume import requested_resume
 
 logger = logging.getLogger(__name__)
 
@@ -138,9 +139,13 @@ async def operator_changes_stream(request):
     user_id, refusal = await _follower(request)
     if refusal:
         return error_response(*refusal)
+    try:
+        requested_resume(request)  # a malformed one is refused as on the worker stream
+    except ValueError as exc:
+        return error_response("invalid_last_event_id", str(exc), 400)
     request.user = OperatorPrincipal(user_id)
-    # The feed is unstored: there is nothing to resume, so resume hints (and the library's own
-    # parameters) are ignored.
+    # The feed is unstored: there is nothing to resume, so a well-formed resume hint (and the library's own
+    # parameters) is ignored.
     event_request = event_request_for([CHANGES_CHANNEL], {}, request.user)
     listener = Listener()
     listener.user_id = request.user.pk

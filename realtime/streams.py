@@ -8,7 +8,6 @@ connection (see ``serving.asgi`` for the handler that skips the per-request thre
 import logging
 import re
 import uuid
-from urllib.parse import unquote
 
 from django.http import StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
@@ -28,6 +27,7 @@ from .db import in_db_thread
 from .event_requests import event_request_for
 from .listeners import StreamListener, StreamPrincipal
 from .publish import worker_channel
+from .resume import requested_resume, resume_from  # noqa: F401 (resume_from: serving.streams reads it here)
 
 logger = logging.getLogger(__name__)
 
@@ -93,24 +93,6 @@ def open_plain(secret, claimed_worker_id, stream_id, replaying):
 @in_db_thread
 def _close(worker_id, stream_id):
     services.worker_stream_closed(worker_id=worker_id, stream_id=stream_id)
-
-
-def requested_resume(request):
-    """Return ``{channel: last id}`` from the request's Last-Event-ID (the header, else the last non-empty
-    ``lastEventId`` parameter), ``{}`` without one; raise ValueError for a malformed one. Decided before
-    the stream is marked open, so a refused request changes nothing."""
-    return resume_from(request.headers.get("Last-Event-ID"), request.GET.getlist("lastEventId"))
-
-
-def resume_from(header, parameters):
-    """``requested_resume`` from the Last-Event-ID ``header`` (or None) and the ``lastEventId`` query ``parameters``."""
-    last_event_id = header or next((value for value in reversed(parameters) if value), "")
-    if not last_event_id:
-        return {}
-    try:
-        return {unquote(channel): last_id for channel, last_id in parse_last_event_id(last_event_id).items()}
-    except ValueError:
-        raise ValueError("Last-Event-ID must look like worker-<id>:<n>") from None
 
 
 @csrf_exempt  # authenticated by its token header, never a cookie: another method is a JSON 405, not a CSRF page
