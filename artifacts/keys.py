@@ -5,6 +5,10 @@ import unicodedata
 from worker_agent import protocol
 
 
+# A file or folder name's limit on the file systems artifacts are stored on (ext4, XFS, APFS: 255 bytes).
+SEGMENT_MAX_BYTES = 255
+
+
 class BadKey(ValueError):
     """The bucket or key cannot name a file in a job's namespace."""
 
@@ -12,8 +16,9 @@ class BadKey(ValueError):
 def clean_key(bucket, key):
     """Return ``bucket/key``, the artifact's key in its job's namespace; raise BadKey for one that is unsafe.
 
-    Refused: an empty bucket or key, an empty, ``.`` or ``..`` segment, a backslash, a control or
-    unassigned character, and more than ``protocol.KEY_MAX_CHARS`` characters in all.
+    Refused: an empty bucket or key, an empty, ``.`` or ``..`` segment, a segment over SEGMENT_MAX_BYTES
+    bytes of UTF-8, a backslash, a control or unassigned character, and more than ``protocol.KEY_MAX_CHARS``
+    characters in all.
     """
     full = f"{bucket}/{key}"
     if not bucket or not key:
@@ -28,4 +33,7 @@ def clean_key(bucket, key):
     for segment in full.split("/"):
         if segment in ("", ".", ".."):
             raise BadKey(f"a key may not hold an empty, '.' or '..' segment: {full!r}")
+        size = len(segment.encode("utf-8"))
+        if size > SEGMENT_MAX_BYTES:
+            raise BadKey(f"a key's segment (a file or folder name) is at most {SEGMENT_MAX_BYTES} bytes of UTF-8; {segment[:40]!r}... is {size}")
     return full

@@ -15,6 +15,18 @@ def test_unsafe_keys_are_refused(bucket, key):
         clean_key(bucket, key)
 
 
+@pytest.mark.parametrize("segment", ["k" * 256, "é" * 128, "✓" * 86])  # 256, 256 and 258 bytes of UTF-8
+def test_a_segment_over_255_bytes_is_refused_with_its_reason(segment):
+    with pytest.raises(BadKey, match="at most 255 bytes"):
+        clean_key("b", f"run/{segment}/model.bin")
+    with pytest.raises(BadKey, match="at most 255 bytes"):
+        clean_key(segment, "model.bin")
+
+
+def test_a_segment_of_255_bytes_is_taken():
+    assert clean_key("b", "k" * 255 + "/" + "é" * 127) == "b/" + "k" * 255 + "/" + "é" * 127
+
+
 def test_a_safe_key_keeps_its_bucket():
     assert clean_key("outputs", "run-1/checkpoint-10/model.safetensors") == "outputs/run-1/checkpoint-10/model.safetensors"
     assert clean_key("b", "..hidden/x..y") == "b/..hidden/x..y"  # only a whole '..' segment climbs

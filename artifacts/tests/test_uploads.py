@@ -102,6 +102,16 @@ def test_a_bad_key_is_a_400_and_nothing_is_stored(path, artifact_storage_dir):
     assert not any(p.is_file() for p in artifact_storage_dir.rglob("*"))
 
 
+@pytest.mark.parametrize("segment", ["k" * 256, "é" * 200])
+def test_a_key_segment_over_255_bytes_is_a_400_naming_the_limit_and_nothing_is_stored(segment, artifact_storage_dir):
+    _, _, token = running_job()
+    response = put(token, f"outputs/{segment}/model.bin", b"data")
+    assert response.status_code == 400, response.content
+    assert response.json()["code"] == protocol.INVALID_KEY and "at most 255 bytes" in response.json()["detail"]
+    assert not Artifact.objects.exists()
+    assert not any(p.is_file() for p in artifact_storage_dir.rglob("*"))
+
+
 def test_dot_dot_is_refused_with_its_reason():
     _, _, token = running_job()
     response = put(token, "b/a/../x", b"data")
