@@ -19,6 +19,13 @@ def redis_url():
 
 
 @pytest.fixture(autouse=True)
+def no_audit_sealer_thread(monkeypatch):
+    """No test process runs the audit sealer's thread (it would write beside the test): a test seals the chain
+    (``audit.sweeps.seal_chain``) when it means to, and the servers of end-to-end tests run their own."""
+    monkeypatch.setattr("audit.sweeps.SEALER.enabled", False)
+
+
+@pytest.fixture(autouse=True)
 def artifact_storage_dir(request, tmp_path_factory):
     """Every test keeps the artifacts it uploads in a directory of its own (not the data directory's)."""
     if "settings" not in request.fixturenames and not request.node.get_closest_marker("django_db"):

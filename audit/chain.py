@@ -1,7 +1,8 @@
 """The audit chain's arithmetic: the keyed hash linking each audit row to the one before it.
 
-Pure functions, no queries: the writer (``audit.services``), the data migration that chained the rows
-written before the chain existed, and ``verify_audit`` (``audit.selectors``) all hash with these.
+Pure functions, no queries: the sealer (``audit.sweeps``), the data migration that chained the rows
+written before the chain existed, and ``verify_audit`` (``audit.selectors``) all hash with these, each
+over a row's values as read back from the database.
 
 A row's ``chain_hash`` is HMAC-SHA256, under ``settings.SIMPLETUNER_AUDIT_KEY``, of the previous row's
 ``chain_hash`` followed by the row's canonical form: a compact JSON array of ``HASHED_FIELDS`` in that
@@ -41,11 +42,6 @@ def _plain(value):
     if kind is list:
         return [_plain(v) for v in value]
     return value
-
-
-def stored_details(details):
-    """Return ``details`` as the database gives it back (JSON text and back: tuples become lists, keys strings)."""
-    return json.loads(json.dumps(details))
 
 
 def link_hash(key, previous, row):

@@ -1,6 +1,7 @@
 """The append-only audit trail: who did what to which object, when, from where."""
 
 from django.db import models
+from django.db.models import Q
 from django.utils import timezone
 
 
@@ -19,7 +20,8 @@ class AuditEventQuerySet(models.QuerySet):
 
 
 class AuditEvent(models.Model):
-    """One audited action, chained to the one before it (``seq``, ``chain_hash``: see ``audit.chain``)."""
+    """One audited action: written unsealed in the transaction of the change it records, then sealed, chained to
+    the row sealed before it (``seq``, ``chain_hash``: see ``audit.chain``), by the sealer (``audit.sweeps``)."""
 
     # Set when the row is built, not at INSERT: it is part of what the chain hashes.
     created_at = models.DateTimeField(default=timezone.now, db_index=True)
@@ -32,14 +34,19 @@ class AuditEvent(models.Model):
     details = models.JSONField(default=dict, blank=True)
     client_ip = models.GenericIPAddressField(null=True, blank=True)
     success = models.BooleanField(default=True)
-    seq = models.BigIntegerField(unique=True)  # the row's place in the chain: 1, 2, 3, ... without gaps
-    chain_hash = models.CharField(max_length=64)
+    # The row's place in the chain (1, 2, 3, ... without gaps) and its link: None and "" until the sealer seals it.
+    seq = models.BigIntegerField(unique=True, null=True, blank=True)
+    chain_hash = models.CharField(max_length=64, blank=True, default="")
 
     objects = AuditEventQuerySet.as_manager()
 
     class Meta:
         ordering = ["-created_at", "-id"]
-        indexes = [models.Index(fields=["target_type", "target_id", "created_at"], name="audit_target")]
+        indexes = [
+            models.Index(fields=["target_type", "target_id", "created_at"], name="audit_target"),
+            # The rows the sealer has still to seal, in id order: a handful, however long the trail.
+            models.Index(fields=["id"], condition=Q(seq__isnull=True), name="audit_unsealed"),
+        ]
 
     def __str__(self):
         return f"{self.created_at:%Y-%m-%d %H:%M:%S} {self.action} {self.target_type}:{self.target_id}"
@@ -47,8 +54,6 @@ class AuditEvent(models.Model):
     def save(self, *args, **kwargs):
         if self.pk is not None:
             raise TypeError("Audit events are append-only")
-        if self.seq is None:
-            raise TypeError("Audit events are written by audit.services.audit_write, which chains them")
         super().save(*args, **kwargs)
 
     def delete(self, *args, **kwargs):
@@ -59,7 +64,7 @@ HEAD_ID = 1
 
 
 class AuditChainHead(models.Model):
-    """The chain's last link (one row): locked by every append, so two writers never fork the chain."""
+    """The chain's last sealed link (one row): locked by the sealer alone, so two sealers never fork the chain."""
 
     id = models.PositiveSmallIntegerField(primary_key=True, default=HEAD_ID)
     seq = models.BigIntegerField(default=0)

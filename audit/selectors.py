@@ -1,8 +1,9 @@
-"""Reading the audit log: checking its chain (``audit_chain_verify``, behind ``manage.py verify_audit``)."""
+"""Reading the audit log: checking its chain (``audit_chain_verify``, behind ``manage.py verify_audit``) and what is
+not sealed into it yet (``audit_unsealed``)."""
 
 from dataclasses import dataclass, field
 
-from django.db.models import Max, Min
+from django.db.models import Count, Max, Min
 
 from .chain import GENESIS, HASHED_FIELDS, chain_key, link_hash
 from .models import HEAD_ID, AuditChainHead, AuditEvent
@@ -26,6 +27,8 @@ class ChainReport:
     last_seq: int | None = None
     faults: list = field(default_factory=list)  # the first FAULT_LIMIT faults, in seq order
     fault_count: int = 0
+    unsealed: int = 0  # rows written but not sealed yet (not checked: they are not in the chain yet)
+    oldest_unsealed: object = None  # the created_at of the oldest of them
 
     @property
     def intact(self):
@@ -40,17 +43,25 @@ class ChainReport:
 FAULT_LIMIT = 20
 
 
+def audit_unsealed():
+    """Return ``(count, oldest created_at or None)`` of the audit rows the sealer has not sealed yet."""
+    found = AuditEvent.objects.filter(seq__isnull=True).aggregate(n=Count("*"), oldest=Min("created_at"))
+    return found["n"], found["oldest"]
+
+
 def audit_chain_verify(*, since=None, until=None):
-    """Recompute every link of the audit chain in seq order; return a ChainReport.
+    """Recompute every link of the sealed audit chain in seq order; return a ChainReport.
 
     ``since`` (inclusive) and ``until`` (exclusive) bound the rows checked by ``created_at``: from the
     first row at or after ``since`` (its predecessor's stored hash is the anchor) to the last row
     before ``until``; without ``until``, to the chain head read at the start (rows written meanwhile
     are not checked), so rows deleted from the end are found too. A link is broken when a row's
     hash differs from the one recomputed from its contents and its predecessor's stored hash, and
-    missing when a seq has no row.
+    missing when a seq has no row. Rows not sealed yet are counted (``unsealed``, ``oldest_unsealed``),
+    not checked.
     """
     report = ChainReport()
+    report.unsealed, report.oldest_unsealed = audit_unsealed()
     head = AuditChainHead.objects.filter(pk=HEAD_ID).values_list("seq", "chain_hash").first()
     rows = AuditEvent.objects.all()
     start = rows.filter(created_at__gte=since).aggregate(s=Min("seq"))["s"] if since else 1

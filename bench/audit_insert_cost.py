@@ -1,12 +1,12 @@
-"""CPU time of one audited transaction on PostgreSQL, its rows sent as a multi-row VALUES or as UNNEST of arrays.
+"""CPU time of one audited transaction on PostgreSQL (its rows saved unsealed), and of sealing a row afterwards.
 
 Usage:  DATABASE_URL=postgres://... python bench/audit_insert_cost.py [--runs 600] [--rounds 3]
 
-``audit.services._insert`` sends a request's few rows as plain VALUES and a sweep's many as one array
-per column (``_ROWS_PER_VALUES_POSTGRES``). This times ``audited_atomic()`` around ``audit_write`` of 1
-and of 4 rows with each form, in this thread's CPU time (``time.thread_time``: the client's own work,
-psycopg's adaptation included, without the waits on the server), median of ``--runs`` per round.
-Builds a scratch database like ``sweep_cost.py``.
+Times ``audited_atomic()`` around ``audit_write`` of 1 and of 4 rows (one ``bulk_create``: a plain INSERT
+for one row, UNNEST of arrays for more), in this thread's CPU time (``time.thread_time``: the client's
+own work, psycopg's adaptation included, without the waits on the server), median of ``--runs`` per
+round, with this process's sealer thread off; then ``seal_chain()`` over the rows that round wrote (the
+sealer's work, off the request's path), per row. Builds a scratch database like ``sweep_cost.py``.
 """
 
 import argparse
@@ -31,9 +31,12 @@ def main():
         from django.db import connection
 
         import audit.services as services
+        from audit.sweeps import SEALER, seal_chain
+
+        SEALER.enabled = False  # no sealer thread beside the timed transactions: the sealing is timed on its own
 
         if connection.vendor != "postgresql":
-            sys.exit("PostgreSQL only (set DATABASE_URL): elsewhere the rows always go as VALUES")
+            sys.exit("PostgreSQL only (set DATABASE_URL)")
         actor = services.Actor.system("bench")
 
         def audited(rows):
@@ -46,22 +49,26 @@ def main():
 
         results = {}
         for _ in range(args.rounds):
-            for form, values_up_to in (("arrays", 0), ("values", 32)):
-                services._ROWS_PER_VALUES_POSTGRES = values_up_to
-                for rows in (1, 4):
-                    for _ in range(50):
-                        audited(rows)
-                    cpu = []
-                    for _ in range(args.runs):
-                        started = time.thread_time()
-                        audited(rows)
-                        cpu.append(time.thread_time() - started)
-                    results.setdefault((rows, form), []).append(statistics.median(cpu) * 1000)
+            written = 0
+            for rows in (1, 4):
+                for _ in range(50):
+                    audited(rows)
+                cpu = []
+                for _ in range(args.runs):
+                    started = time.thread_time()
+                    audited(rows)
+                    cpu.append(time.thread_time() - started)
+                written += (50 + args.runs) * rows
+                results.setdefault(f"{rows} row(s) in a transaction", []).append(statistics.median(cpu) * 1000)
+            started = time.thread_time()
+            sealed = seal_chain()["sealed"]
+            results.setdefault("sealing, per row", []).append((time.thread_time() - started) * 1000 / sealed)
+            assert sealed == written, (sealed, written)
         with connection.cursor() as cursor:
             where = db.describe(cursor)
-        print(f"{where}; median CPU ms of one audited transaction, per round")
-        for (rows, form), medians in sorted(results.items()):
-            print(f"  {rows} row(s) as {form:6}  " + "  ".join(f"{m:.3f}" for m in medians))
+        print(f"{where}; median CPU ms of one audited transaction, and of sealing one row, per round")
+        for what, medians in results.items():
+            print(f"  {what:26}  " + "  ".join(f"{m:.3f}" for m in medians))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Time ``manage.py verify_audit`` over a million chained audit rows, and what the chain costs a write.
+"""Time ``manage.py verify_audit`` over a million chained audit rows, and the audit's writes and their sealing.
 
 Usage:  python bench/audit_verify.py [--rows 1000000] [--seconds 5] [--writers 1 2 4]
 
@@ -8,9 +8,8 @@ on the PostgreSQL server DATABASE_URL names, dropped at the end; see ``bench/swe
 1. writes ``--rows`` chained audit rows in bulk (hashed here with ``audit.chain``, then COPY on
    PostgreSQL, executemany on SQLite), like a sweep's and a job's rows, a millisecond apart;
 2. the write cost: ``--seconds`` of one-row service transactions (``audited_atomic()`` +
-   ``audit_record``: the chain's lock, hash, INSERT and head UPDATE) by 1, 2 and 4 threads at once
-   (SQLite: 1, it has one writer), against the same transaction without the chain (the row INSERTed
-   with a seq no chain uses: no lock, no hash, no head);
+   ``audit_record``: the row's INSERT, unsealed) by 1, 2 and 4 threads at once (SQLite: 1, it has one
+   writer), this process's sealer thread off; then ``seal_chain()`` over the rows they wrote, timed;
 3. ``verify_audit`` over the whole chain, then ``--since`` the middle (half the rows).
 """
 
@@ -58,7 +57,7 @@ def populate(db, count):
     """Append ``count`` chained rows after the chain head in bulk; return the seconds it took."""
     from django.db import connection, transaction
 
-    from audit.services import _HEAD_TABLE, _lock_head
+    from audit.sweeps import _MOVE_HEAD, _lock_head
 
     started = time.perf_counter()
     with transaction.atomic():
@@ -87,19 +86,17 @@ def populate(db, count):
                     cursor.executemany(sql, batch)
                     last = batch[-1]
         with connection.cursor() as cursor:
-            cursor.execute(f"UPDATE {_HEAD_TABLE} SET seq = %s, chain_hash = %s WHERE id = 1", [last[0], last[-1]])
+            cursor.execute(_MOVE_HEAD, [last[0], last[-1], 1])
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE")
     return time.perf_counter() - started
 
 
-def write_rate(threads, seconds, chained):
+def write_rate(threads, seconds):
     """Return audit rows committed per second by ``threads`` threads each writing one-row transactions."""
-    from django.db import connection, transaction
+    from django.db import connection
 
-    from audit.events import announce_changes_on_commit
-    from audit.models import AuditEvent
-    from audit.services import Actor, audit_events, audit_record, audited_atomic
+    from audit.services import Actor, audit_record, audited_atomic
 
     actor = Actor("user", "1", "operator", "10.1.2.3")
     counts = [0] * threads
@@ -111,17 +108,9 @@ def write_rate(threads, seconds, chained):
             barrier.wait()
             n = 0
             while time.perf_counter() < deadline:
-                if chained:
-                    with audited_atomic():
-                        audit_record(actor=actor, action="job.cancelled", target_type="job", target_id=f"j_{n}",
-                                     details={"reason": "operator"})  # fmt: skip
-                else:  # audit_write before the chain: one INSERT (a seq of its own, negative) and the announcement
-                    with transaction.atomic():
-                        (event,) = audit_events(actor=actor, action="job.cancelled", target_type="job",
-                                                rows=[(f"j_{n}", {"reason": "operator"})])  # fmt: skip
-                        event.seq, event.chain_hash = -(index * 10**9 + n + 1), ""
-                        AuditEvent.objects.bulk_create([event])
-                        announce_changes_on_commit([(event.target_type, event.target_id)])
+                with audited_atomic():
+                    audit_record(actor=actor, action="job.cancelled", target_type="job", target_id=f"j_{n}",
+                                 details={"reason": "operator"})  # fmt: skip
                 n += 1
             counts[index] = n
         finally:
@@ -132,11 +121,16 @@ def write_rate(threads, seconds, chained):
         worker.start()
     for worker in workers:
         worker.join()
-    if not chained:  # out of the chain's way: verify_audit would rightly call them forged
-        with connection.cursor() as cursor:
-            cursor.execute("DELETE FROM audit_auditevent WHERE seq < 0")
-        connection.close()
     return sum(counts) / seconds
+
+
+def seal_rate():
+    """Seal every unsealed row; return (rows sealed, rows per second)."""
+    from audit.sweeps import seal_chain
+
+    started = time.perf_counter()
+    sealed = seal_chain()["sealed"]
+    return sealed, sealed / (time.perf_counter() - started)
 
 
 def verify(*args):
@@ -146,7 +140,7 @@ def verify(*args):
     out = io.StringIO()
     started = time.perf_counter()
     call_command("verify_audit", *args, stdout=out)
-    return time.perf_counter() - started, out.getvalue().strip()
+    return time.perf_counter() - started, " | ".join(out.getvalue().strip().splitlines())
 
 
 def main():
@@ -158,18 +152,19 @@ def main():
     with scratch_database("st_audit_bench_") as db:
         from django.db import connection
 
+        from audit.sweeps import SEALER
+
+        SEALER.enabled = False  # the writes are timed without a sealer beside them; the sealing on its own
+
         with connection.cursor() as cursor:
             print(f"{db.describe(cursor)}, Python {sys.version.split()[0]}, {os.cpu_count()} CPUs", flush=True)
         print(f"populate {args.rows} chained rows: {populate(db, args.rows):.1f} s", flush=True)
         writers = args.writers if connection.vendor == "postgresql" else [1]
         for threads in writers:
-            chained = write_rate(threads, args.seconds, chained=True)
-            plain = write_rate(threads, args.seconds, chained=False)
-            print(
-                f"write, {threads} thread(s): {chained:7.0f} rows/s chained, {plain:7.0f} rows/s without the chain "
-                f"({chained / plain:.0%})",
-                flush=True,
-            )
+            written = write_rate(threads, args.seconds)
+            sealed, rate = seal_rate()
+            print(f"write, {threads} thread(s): {written:7.0f} rows/s committed; then {sealed} sealed at {rate:7.0f} rows/s",
+                  flush=True)  # fmt: skip
         seconds, line = verify()
         print(f"verify_audit (all): {seconds:.1f} s -- {line}", flush=True)
         middle = (BASE + timedelta(milliseconds=args.rows // 2)).isoformat()

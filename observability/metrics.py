@@ -3,8 +3,8 @@
 Two kinds of metric, so that the figures are right however many processes serve the orchestrator:
 
 - State (workers by status and type, jobs by status, heartbeat age, open streams, the oldest queued
-  job) is read from the database by ``DatabaseCollector`` at scrape time, in a fixed handful of
-  aggregate queries: the same answer from whichever process is scraped.
+  job, the audit rows not sealed yet) is read from the database by ``DatabaseCollector`` at scrape
+  time, in a fixed handful of aggregate queries: the same answer from whichever process is scraped.
 - Events (queue wait and dispatch latency histograms, requeues, retries exhausted) are counted in the
   process where they happen, only once their transaction has committed (the job queue's outbox
   events, ``job_queue.events``). With
@@ -32,6 +32,7 @@ from rest_framework.negotiation import BaseContentNegotiation
 from rest_framework.renderers import JSONRenderer
 from rest_framework.views import APIView
 
+from audit.selectors import audit_unsealed
 from common import outbox
 from job_queue import events
 from job_queue.models import Job, JobAttempt, JobStatus
@@ -118,7 +119,7 @@ def subscribe():
 
 
 class DatabaseCollector(Collector):
-    """Fleet and queue state from three aggregate queries, whatever the number of workers and jobs."""
+    """Fleet, queue and audit-sealing state from four aggregate queries, whatever the number of workers and jobs."""
 
     def describe(self):
         """Return the (empty) families, so that registering the collector reads nothing."""
@@ -147,6 +148,13 @@ class DatabaseCollector(Collector):
                 "simpletuner_jobs_queued_oldest_age_seconds",
                 "How long the longest-waiting queued job has waited: since submission, or since its last "
                 "attempt ended if it was requeued (0 when the queue is empty).",
+            ),
+            "audit_unsealed": GaugeMetricFamily(
+                "simpletuner_audit_unsealed_rows", "Audit rows committed but not sealed into the audit chain yet."
+            ),
+            "audit_unsealed_age": GaugeMetricFamily(
+                "simpletuner_audit_unsealed_oldest_age_seconds",
+                "How long ago the oldest audit row not sealed yet was written (0 when every row is sealed).",
             ),
         }
 
@@ -198,6 +206,10 @@ class DatabaseCollector(Collector):
             .aggregate(since=Min(Coalesce(Subquery(last_attempt_end), "submitted_at")))["since"]
         )
         families["oldest_queued"].add_metric([], _seconds_between(oldest, now) if oldest else 0.0)
+
+        unsealed, oldest_unsealed = audit_unsealed()
+        families["audit_unsealed"].add_metric([], unsealed)
+        families["audit_unsealed_age"].add_metric([], _seconds_between(oldest_unsealed, now) if oldest_unsealed else 0.0)
         return list(families.values())
 
 

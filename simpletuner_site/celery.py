@@ -12,13 +12,20 @@ app.autodiscover_tasks()
 
 
 def _beat_schedule():
-    """Celery beat runs the same sweep functions, on the same intervals, as the embedded scheduler."""
+    """Celery beat runs the same sweep functions, on the same intervals, as the embedded scheduler.
+
+    A run not started within its interval expires (the next is already due): a Celery worker that was down
+    does not come back to a queue of thousands of audit.seal_chain runs, one a second.
+    """
     import django
 
     django.setup()
     from .scheduler import sweep_schedule
 
-    return {task: {"task": task, "schedule": interval} for task, _fn, interval in sweep_schedule()}
+    return {
+        task: {"task": task, "schedule": interval, "options": {"expires": interval}}
+        for task, _fn, interval in sweep_schedule()
+    }
 
 
 app.conf.beat_schedule = _beat_schedule()

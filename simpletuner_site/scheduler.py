@@ -20,6 +20,7 @@ def sweep_schedule():
     ``task_name`` is also the name of the Celery task wrapping ``function`` (see each app's tasks.py).
     """
     from artifacts.sweeps import sweep_expired_artifacts
+    from audit.sweeps import SEAL_INTERVAL, seal_chain
     from job_queue.dispatch import dispatch_pending
     from job_queue.sweeps import sweep_stale_workers, sweep_unacknowledged_dispatches
     from realtime.sweeps import trim_stored_events
@@ -36,6 +37,8 @@ def sweep_schedule():
         ("artifacts.sweep_expired_artifacts", sweep_expired_artifacts, settings.SIMPLETUNER["ARTIFACT_SWEEP_INTERVAL"]),
         # stored worker events older than the replay window (24 h); the library trimmed on every event
         ("realtime.trim_stored_events", trim_stored_events, STORED_EVENT_TRIM_INTERVAL),
+        # audit rows a commit's own wake left unsealed (their process stopped first): sealed within a second
+        ("audit.seal_chain", seal_chain, SEAL_INTERVAL),
     ]
 
 

@@ -72,7 +72,7 @@ def test_transition_from_a_stale_copy_is_refused():
 
 
 def _statements(captured, kind):
-    """The statements that are ``kind`` (its start), or hold it (PostgreSQL's audit INSERT comes after a WITH)."""
+    """The statements that are ``kind`` (its start), or hold it after a WITH."""
     return [q["sql"] for q in captured.captured_queries if q["sql"].startswith(kind) or q["sql"].startswith("WITH") and kind in q["sql"]]
 
 

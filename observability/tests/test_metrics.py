@@ -12,6 +12,8 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
+from audit.sweeps import seal_chain
+from audit.tests.factories import AuditEventFactory
 from job_queue.models import Job, JobStatus
 from job_queue.dispatch import dispatch_for_job
 from job_queue.sweeps import sweep_stale_workers, sweep_unacknowledged_dispatches
@@ -161,12 +163,27 @@ def test_oldest_queued_age_counts_a_requeued_job_from_its_last_attempt(scrape):
     assert 600 <= value(scrape(), "simpletuner_jobs_queued_oldest_age_seconds") < 610
 
 
+def test_audit_rows_not_sealed_yet_are_counted_with_the_age_of_the_oldest(scrape):
+    samples = scrape()
+    assert value(samples, "simpletuner_audit_unsealed_rows") == 0
+    assert value(samples, "simpletuner_audit_unsealed_oldest_age_seconds") == 0
+    AuditEventFactory(created_at=ago(90))
+    AuditEventFactory()
+    samples = scrape()
+    assert value(samples, "simpletuner_audit_unsealed_rows") == 2
+    assert 90 <= value(samples, "simpletuner_audit_unsealed_oldest_age_seconds") < 100
+    seal_chain()
+    samples = scrape()
+    assert value(samples, "simpletuner_audit_unsealed_rows") == 0
+    assert value(samples, "simpletuner_audit_unsealed_oldest_age_seconds") == 0
+
+
 def test_scrape_cost_does_not_grow_with_workers_and_jobs(scrape, django_assert_max_num_queries):
     WorkerFactory()
     JobFactory()
     with CaptureQueriesContext(connection) as few:
         scrape()
-    assert len(few) == 3  # workers, jobs, oldest queued job
+    assert len(few) == 4  # workers, jobs, oldest queued job, audit rows not sealed yet
 
     for _ in range(20):
         job_on_worker(WorkerFactory(last_heartbeat=ago(500)), status=JobStatus.RUNNING)

@@ -9,6 +9,7 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.utils import timezone
 
+from audit.models import AuditEvent
 from job_queue.models import Job, JobAttempt, JobStatus
 from job_queue.tests.factories import job_on_worker
 from simpletuner_site.management.commands import run_sweeps
@@ -44,12 +45,16 @@ def test_once_runs_every_sweep_and_prints_what_each_did():
         "queue.dispatch_pending",
         "artifacts.sweep_expired_artifacts",
         "realtime.trim_stored_events",
+        "audit.seal_chain",
     ]
     assert lines[0].startswith("queue.sweep_stale_workers: workers=1 requeued=0 failed=0 (")
     assert lines[1].startswith("queue.sweep_unacknowledged_dispatches: jobs=1 workers_freed=1 (")
     assert lines[2].startswith("workers.sweep_offline_ephemeral_workers: workers=1 (")
     # dispatch_pending finds the job requeued just before (sweeps commit as they go) and the freed worker.
     assert lines[3].startswith("queue.dispatch_pending: 1 (")
+    # every audit row the sweeps wrote (offline, requeued, freed, deleted, dispatched...) sealed last
+    assert lines[6].startswith(f"audit.seal_chain: sealed={AuditEvent.objects.count()} (")
+    assert AuditEvent.objects.filter(seq__isnull=True).count() == 0
     assert Worker.objects.get(pk=stale.pk).status == WorkerStatus.OFFLINE
     assert not Worker.objects.filter(pk=gone.pk).exists()
     lost.refresh_from_db()

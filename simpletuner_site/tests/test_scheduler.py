@@ -15,10 +15,13 @@ def test_beat_schedule_and_embedded_schedule_are_one_list():
     beat = {name: entry["schedule"] for name, entry in app.conf.beat_schedule.items()}
     assert beat == embedded
     assert {entry["task"] for entry in app.conf.beat_schedule.values()} <= set(app.tasks)
+    # a run not started within its interval is dropped, not queued behind the next ones
+    assert all(entry["options"]["expires"] == entry["schedule"] for entry in app.conf.beat_schedule.values())
 
 
 def test_every_sweep_is_scheduled_on_the_health_interval_and_the_ack_sweep_within_half_its_timeout(settings):
     from artifacts.sweeps import sweep_expired_artifacts
+    from audit.sweeps import seal_chain
     from job_queue.dispatch import dispatch_pending
     from job_queue.sweeps import sweep_stale_workers, sweep_unacknowledged_dispatches
     from realtime.sweeps import trim_stored_events
@@ -34,6 +37,7 @@ def test_every_sweep_is_scheduled_on_the_health_interval_and_the_ack_sweep_withi
         ("queue.dispatch_pending", dispatch_pending, 60),
         ("artifacts.sweep_expired_artifacts", sweep_expired_artifacts, 3600),  # its own interval
         ("realtime.trim_stored_events", trim_stored_events, 600),  # a fixed interval: events are kept 24 h
+        ("audit.seal_chain", seal_chain, 1),  # within the sealing lag's target (1 s), whatever the health interval
     ]
     settings.SIMPLETUNER = {**settings.SIMPLETUNER, "HEALTH_CHECK_INTERVAL": 20, "DISPATCH_ACK_TIMEOUT": 300}
     assert {name: interval for name, _fn, interval in sweep_schedule()} == {
@@ -43,6 +47,7 @@ def test_every_sweep_is_scheduled_on_the_health_interval_and_the_ack_sweep_withi
         "queue.dispatch_pending": 20,
         "artifacts.sweep_expired_artifacts": 3600,
         "realtime.trim_stored_events": 600,
+        "audit.seal_chain": 1,
     }
 
 

@@ -1,4 +1,7 @@
-"""Check the audit log's hash chain: exit 0 when intact, 1 at a broken or missing link, 2 on bad arguments."""
+"""Check the audit log's hash chain: exit 0 when intact, 1 at a broken or missing link, 2 on bad arguments.
+
+It checks the sealed rows and says how many are not sealed yet (``audit.sweeps``) and how old the oldest is.
+"""
 
 import sys
 import time
@@ -21,10 +24,19 @@ def _moment(value):
     return moment if timezone.is_aware(moment) else moment.replace(tzinfo=dt_timezone.utc)
 
 
+def _unsealed(report):
+    """Return the line saying how many rows are not sealed yet, and the age of the oldest."""
+    if not report.unsealed:
+        return "Not sealed yet: no rows."
+    age = (timezone.now() - report.oldest_unsealed).total_seconds()
+    return f"Not sealed yet: {report.unsealed} row(s), the oldest written {age:.1f} s ago."
+
+
 class Command(BaseCommand):
     help = (
-        "Recompute the audit log's HMAC chain (SIMPLETUNER_AUDIT_KEY) in seq order and report the first broken "
-        "link (an edited row) or missing link (a deleted row). Exit 0 when intact, 1 otherwise."
+        "Recompute the audit log's HMAC chain (SIMPLETUNER_AUDIT_KEY) over the sealed rows in seq order and report "
+        "the first broken link (an edited row) or missing link (a deleted row), and how many rows are not sealed "
+        "yet. Exit 0 when intact, 1 otherwise."
     )
 
     def add_arguments(self, parser):
@@ -37,8 +49,9 @@ class Command(BaseCommand):
         started = time.monotonic()
         report = audit_chain_verify(since=since, until=until)
         elapsed = time.monotonic() - started
+        self.stdout.write(_unsealed(report))
         if report.first_seq is None:
-            self.stdout.write("No audit rows in that range.")
+            self.stdout.write("No sealed audit rows in that range.")
             return
         span = f"seq {report.first_seq}-{report.last_seq}"
         if report.intact:
