@@ -31,8 +31,8 @@ from common.admin_kit import (
     run_service_on_each,
     status_badge,
 )
-from common.errors import InvalidInput, ServiceError
-from workers.onboarding import parse_label_pairs
+from common.errors import ServiceError
+from workers.admin import LabelPairsField
 
 from . import permissions, worker_admin  # noqa: F401 (worker_admin registers the Workers page)
 from .admin_artifacts import artifacts_html, attempt_steps_text
@@ -60,10 +60,10 @@ class JobSubmitForm(forms.Form):
         help_text="Optional dataloader configuration: a JSON object or list.",
     )
     target = forms.ChoiceField(choices=JobTarget.choices, initial=JobTarget.WORKER)
-    worker_labels = forms.CharField(
+    worker_labels = LabelPairsField(
         label="Label selectors",
-        required=False,
-        widget=forms.Textarea(attrs={"rows": 3, "cols": 40, "placeholder": "gpu_type=a100*\nlocation=datacenter-a"}),
+        placeholder="gpu_type=a100*\nlocation=datacenter-a",
+        example="gpu_type=a100*",
         help_text="One KEY=GLOB per line; a worker must match all of them.",
     )
     gpu_count = forms.IntegerField(
@@ -85,12 +85,6 @@ class JobSubmitForm(forms.Form):
         if not isinstance(config, dict):
             raise forms.ValidationError("config must be a JSON object ({...})")
         return config
-
-    def clean_worker_labels(self):
-        try:
-            return parse_label_pairs(self.cleaned_data["worker_labels"].splitlines(), example="gpu_type=a100*")
-        except InvalidInput as exc:
-            raise forms.ValidationError(exc.detail) from None
 
     def clean(self):
         data = super().clean()

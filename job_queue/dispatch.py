@@ -176,6 +176,26 @@ def _candidates(rows, *shape, **values):
         yield from (row for row in everything.iterator(chunk_size=CANDIDATE_BATCH) if row.pk not in seen)
 
 
+def _first_fit(first, candidates, *, fits, lock, assign):
+    """Return the match made, after ``assign``-ing it: ``first`` (read and locked already) when it ``fits``,
+    else the first of ``candidates`` that ``fits`` and that ``lock`` (by pk) still finds available; None when
+    ``first`` is None or none of them is left. Dispatch matches a job to workers and a worker to jobs alike."""
+    if first is None:
+        return None
+    if fits(first):
+        assign(first)
+        return first
+    for candidate in candidates:
+        if not fits(candidate):
+            continue
+        locked = lock(candidate.pk)
+        if locked is None:
+            continue
+        assign(locked)
+        return locked
+    return None
+
+
 _GLOB = re.compile(r"[*?\[]")
 
 
@@ -251,21 +271,13 @@ def dispatch_locked_job(job, *, actor=SYSTEM):
     labels = {f"label_{i}": text for i, text in enumerate(exact.values())}
     # The first worker offered, read and locked in one statement, nearly always takes the job (the labels
     # without globs are matched in SQL). None: every worker that could is taken or held by another dispatch.
-    first = _FIRST_WORKER_FOR_JOB.first(job.target, tuple(exact), gpu_count=job.gpu_count, **labels)
-    if first is None:
-        return None
-    if job_fits_worker(job, first):
-        _assign(job=job, worker=first, actor=actor)
-        return first
-    for candidate in _candidates(_WORKERS_FOR_JOB, job.target, tuple(exact), gpu_count=job.gpu_count, **labels):
-        if not job_fits_worker(job, candidate):
-            continue
-        worker = _lock_available_worker(candidate.pk)
-        if worker is None:
-            continue
-        _assign(job=job, worker=worker, actor=actor)
-        return worker
-    return None
+    return _first_fit(
+        _FIRST_WORKER_FOR_JOB.first(job.target, tuple(exact), gpu_count=job.gpu_count, **labels),
+        _candidates(_WORKERS_FOR_JOB, job.target, tuple(exact), gpu_count=job.gpu_count, **labels),  # a generator: read only if needed
+        fits=lambda worker: job_fits_worker(job, worker),
+        lock=_lock_available_worker,
+        assign=lambda worker: _assign(job=job, worker=worker, actor=actor),
+    )
 
 
 def dispatch_for_worker(worker_id, *, actor=SYSTEM):
@@ -275,21 +287,13 @@ def dispatch_for_worker(worker_id, *, actor=SYSTEM):
         if worker is None or worker.drain_requested_at is not None:
             return None
         # As for a job: the first job offered, read and locked in one statement, nearly always fits.
-        first = _FIRST_JOB_FOR_WORKER.first(worker.worker_type, gpu_count=worker.gpu_count)
-        if first is None:
-            return None
-        if job_fits_worker(first, worker):
-            _assign(job=first, worker=worker, actor=actor)
-            return first
-        for candidate in _candidates(_JOBS_FOR_WORKER, worker.worker_type, gpu_count=worker.gpu_count):
-            if not job_fits_worker(candidate, worker):
-                continue
-            job = _lock_queued_job(candidate.pk)
-            if job is None:
-                continue
-            _assign(job=job, worker=worker, actor=actor)
-            return job
-    return None
+        return _first_fit(
+            _FIRST_JOB_FOR_WORKER.first(worker.worker_type, gpu_count=worker.gpu_count),
+            _candidates(_JOBS_FOR_WORKER, worker.worker_type, gpu_count=worker.gpu_count),
+            fits=lambda job: job_fits_worker(job, worker),
+            lock=_lock_queued_job,
+            assign=lambda job: _assign(job=job, worker=worker, actor=actor),
+        )
 
 
 def dispatch_pending(*, limit=1000, actor=SYSTEM):

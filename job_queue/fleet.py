@@ -66,6 +66,14 @@ def worker_rotate_token(*, worker_id, actor, force=False, confirmed_job=None):
     return plaintext, job.pk if job is not None else None
 
 
+def _worker_write(worker, *, action, details, actor, **fields):
+    """Write ``fields`` to the locked ``worker`` (row and object) with its audit row ``action``, ``details``."""
+    Worker.objects.filter(pk=worker.pk).update(**fields)
+    for name, value in fields.items():
+        setattr(worker, name, value)
+    audit_record(actor=actor, action=action, target_type="worker", target_id=worker.pk, details=details)
+
+
 def worker_undrain(*, worker_id, actor):
     """Put a drained worker back in service: it takes jobs again (queued ones are offered to it at once).
 
@@ -76,15 +84,8 @@ def worker_undrain(*, worker_id, actor):
         worker = lock_worker(worker_id)
         if worker.drain_requested_at is None:
             return worker
-        Worker.objects.filter(pk=worker.pk).update(drain_requested_at=None)
-        worker.drain_requested_at = None
-        audit_record(
-            actor=actor,
-            action=actions.WORKER_UNDRAINED,
-            target_type="worker",
-            target_id=worker.pk,
-            details={"status": worker.status, "current_job": worker.current_job_id},
-        )
+        details = {"status": worker.status, "current_job": worker.current_job_id}
+        _worker_write(worker, action=actions.WORKER_UNDRAINED, details=details, actor=actor, drain_requested_at=None)
         if worker.status == WorkerStatus.DRAINING:
             workers_transition(
                 workers=[worker],
@@ -109,15 +110,7 @@ def worker_set_labels(*, worker_id, labels, actor):
         before = dict(worker.labels or {})
         if before == labels:
             return worker
-        Worker.objects.filter(pk=worker.pk).update(labels=labels)
-        worker.labels = labels
-        audit_record(
-            actor=actor,
-            action=actions.WORKER_LABELS_CHANGED,
-            target_type="worker",
-            target_id=worker.pk,
-            details={"from": before, "to": labels},
-        )
+        _worker_write(worker, action=actions.WORKER_LABELS_CHANGED, details={"from": before, "to": labels}, actor=actor, labels=labels)
         if worker.status == WorkerStatus.IDLE:
             dispatch_on_commit(worker_id=worker.pk)
     return worker

@@ -12,11 +12,10 @@ from django.urls import reverse
 
 from audit.services import Actor
 from common.admin_kit import changelist_url, confirmation_page, confirmed, form_page, run_service_on_each
-from common.errors import InvalidInput, ServiceError
+from common.errors import ServiceError
 from workers import permissions as worker_permissions
-from workers.admin import WorkerAdmin
+from workers.admin import LabelPairsField, WorkerAdmin
 from workers.models import Worker, WorkerStatus
-from workers.onboarding import parse_label_pairs
 
 from .fleet import worker_rotate_token, worker_set_labels, worker_undrain
 from .models import JOB_ACTIVE
@@ -25,17 +24,12 @@ JOB_FIELD = "job"  # the confirmation page re-posts the running job it named
 
 
 class WorkerLabelsForm(forms.Form):
-    labels = forms.CharField(
-        required=False,
-        widget=forms.Textarea(attrs={"rows": 6, "cols": 50, "placeholder": "gpu_type=a100\nlocation=datacenter-a"}),
+    labels = LabelPairsField(
+        placeholder="gpu_type=a100\nlocation=datacenter-a",
+        rows=6,
+        cols=50,
         help_text="One KEY=VALUE per line; they replace the worker's labels. Queued jobs are matched again at once.",
     )
-
-    def clean_labels(self):
-        try:
-            return parse_label_pairs(self.cleaned_data["labels"].splitlines())
-        except InvalidInput as exc:
-            raise forms.ValidationError(exc.detail) from None
 
 
 @admin.register(Worker)

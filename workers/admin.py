@@ -74,6 +74,22 @@ class LabelFilter(admin.SimpleListFilter):
         return queryset.alias(_label=KeyTransform(key, "labels")).filter(_label=value)
 
 
+class LabelPairsField(forms.CharField):
+    """A textarea of ``KEY=VALUE`` lines (blank ones skipped), cleaned to ``{key: value}`` by the label rules
+    (``workers.onboarding.parse_label_pairs``); a malformed or repeated line is the field's error."""
+
+    def __init__(self, *, placeholder, example="gpu=a100", rows=3, cols=40, **kwargs):
+        self.example = example
+        widget = forms.Textarea(attrs={"rows": rows, "cols": cols, "placeholder": placeholder})
+        super().__init__(required=False, widget=widget, **kwargs)
+
+    def clean(self, value):
+        try:
+            return parse_label_pairs(super().clean(value).splitlines(), example=self.example)
+        except InvalidInput as exc:
+            raise forms.ValidationError(exc.detail) from None
+
+
 class WorkerAddForm(forms.Form):
     name = forms.CharField(max_length=128, help_text="Unique; the agent registers with it (--name).")
     worker_type = forms.ChoiceField(
@@ -83,17 +99,9 @@ class WorkerAddForm(forms.Form):
         widget=forms.RadioSelect,
         help_text="Persistent: stays online between jobs (on-prem GPUs). Ephemeral: runs one job, then leaves (spot instances).",
     )
-    labels = forms.CharField(
-        required=False,
-        widget=forms.Textarea(attrs={"rows": 3, "cols": 40, "placeholder": "gpu_type=a100\nlocation=datacenter-a"}),
-        help_text="One KEY=VALUE per line. Jobs choose workers by their labels.",
+    labels = LabelPairsField(
+        placeholder="gpu_type=a100\nlocation=datacenter-a", help_text="One KEY=VALUE per line. Jobs choose workers by their labels."
     )
-
-    def clean_labels(self):
-        try:
-            return parse_label_pairs(self.cleaned_data["labels"].splitlines())
-        except InvalidInput as exc:
-            raise forms.ValidationError(exc.detail) from None
 
 
 class WorkerAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
