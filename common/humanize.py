@@ -2,6 +2,8 @@
 
 from django.utils import timezone
 
+from .inputs import format_controls_shown
+
 
 def ago(moment, now=None):
     """Return how long before ``now`` ``moment`` was, e.g. ``12 s ago``, ``5 min ago``, ``3 h ago``; or ``never``."""
@@ -22,5 +24,7 @@ _CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x20), 0x7F)} | {c: f"\\u{c:
 
 def printable(text):
     """Return ``text`` with its control characters (C0, DEL, C1: terminal escapes among them) written as
-    ``\\xNN`` / ``\\uNNNN``, for a terminal: a worker's name or labels must not drive the operator's screen."""
-    return str(text).translate(_CONTROL)
+    ``\\xNN`` / ``\\uNNNN``, and its format controls (bidi overrides, zero-width characters) as ``\\uNNNN``
+    (``common.inputs.format_controls_shown``), for a terminal: a worker's name, labels or GPU name must not
+    drive the operator's screen or reorder what it shows."""
+    return format_controls_shown(str(text).translate(_CONTROL))

@@ -2,7 +2,9 @@
 
 Two rules, one place each. Text an operator or a worker chooses (names, labels, configs, GPU names)
 is refused with a 400 naming the field when it holds a NUL or an unpaired surrogate (neither can be
-stored in PostgreSQL), a non-finite number, or too much. Text a trainer produced (a report's
+stored in PostgreSQL), a non-finite number, or too much; a name or label an operator chooses is also
+refused when it holds a format control (``name_problem``), and one an agent reports that must not be
+refused (a GPU or host name) is shown with its format controls escaped (``format_controls_shown``). Text a trainer produced (a report's
 ``log_tail``, ``error`` and ``progress``) is arbitrary bytes from a program nobody here controls: it
 is cleaned (``clean_text``, ``clean_trainer_json``) and stored, never refused, because refusing a
 report loses the log and can leave a job running. The limits an operator may change are settings
@@ -12,6 +14,7 @@ report loses the log and can leave a job running. The limits an operator may cha
 import json
 import math
 import re
+import unicodedata
 
 from django.conf import settings
 
@@ -54,6 +57,38 @@ def text_problem(text):
     if match is None:
         return None
     return "contains a NUL character" if match.group() == "\x00" else "contains an unpaired surrogate (invalid UTF-16)"
+
+
+def format_control(text):
+    """Return the first format control in ``text`` (Unicode category Cf: the bidirectional overrides and isolates
+    U+202A-U+202E and U+2066-U+2069, zero-width characters, tags), or None."""
+    return next((char for char in text if unicodedata.category(char) == "Cf"), None)
+
+
+def name_problem(text):
+    """Return why ``text`` cannot be a name or label someone chose (``text_problem``'s reasons, or a format
+    control, which can make a name read as another: U+202E shows ``evil\\u202eexe.sh`` as ``evilhs.exe``),
+    or None."""
+    problem = text_problem(text)
+    if problem:
+        return problem
+    char = format_control(text)
+    if char is not None:
+        return f"contains the invisible format character U+{ord(char):04X} ({unicodedata.name(char, 'unnamed')}); names may not hold one"
+    return None
+
+
+def format_controls_shown(text):
+    """Return ``text`` with each format control written as ``\\uXXXX`` (``\\UXXXXXXXX`` above U+FFFF): how text an
+    agent reported (a GPU, host or agent name) is shown, so it cannot reorder or hide what is around it."""
+    text = str(text)
+    if format_control(text) is None:
+        return text
+    return "".join(_escaped(char) if unicodedata.category(char) == "Cf" else char for char in text)
+
+
+def _escaped(char):
+    return f"\\u{ord(char):04x}" if ord(char) <= 0xFFFF else f"\\U{ord(char):08x}"
 
 
 def clean_text(text):

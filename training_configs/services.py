@@ -11,6 +11,7 @@ from django.utils import timezone
 from audit import actions
 from audit.services import audit_record, audited_atomic
 from common.errors import InvalidInput
+from common.inputs import name_problem
 
 from .models import NAME_MAX_CHARS, NAME_PATTERN, VERSION_SEPARATOR, TrainingConfig
 from .selectors import config_names, config_resolve
@@ -83,8 +84,12 @@ def config_for_submit(*, config_name, config, dataloader):
     A stored name (``name`` or ``name@version``) gives its config with the inline ``config``'s keys over it,
     and its dataloader unless one is given. A name not stored is taken as it is, unless
     ``SIMPLETUNER_REQUIRE_STORED_CONFIG`` is on: then InvalidInput (400 ``config_not_stored``) lists the
-    stored names. Call in the submit's transaction, which marks the version used (``config_mark_used``).
+    stored names; a name holding a format control (``common.inputs.name_problem``) is InvalidInput
+    (``invalid_config_name``). Call in the submit's transaction, which marks the version used (``config_mark_used``).
     """
+    problem = name_problem(config_name)
+    if problem:
+        raise InvalidInput(f"config_name {problem}", code="invalid_config_name")
     stored = config_resolve(config_name)
     if stored is None:
         if settings.SIMPLETUNER["REQUIRE_STORED_CONFIG"]:

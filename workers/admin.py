@@ -37,6 +37,7 @@ from common.admin_kit import (
     status_badge,
 )
 from common.errors import InvalidInput, ServiceError
+from common.inputs import format_controls_shown
 
 from . import permissions
 from . import token_admin  # noqa: F401 (registers the Tokens page)
@@ -50,6 +51,19 @@ from .services import (
 )
 
 LABEL_CHOICES_MAX = 200
+
+
+def _reported(field, description):
+    """A column showing the text the agent reported in ``field``, with its format controls escaped
+    (``common.inputs.format_controls_shown``): registrations are never refused for them."""
+
+    @admin.display(description=description, ordering=field)
+    def column(self, worker):
+        return format_controls_shown(getattr(worker, field))
+
+    return column
+
+
 LABEL_VALUES_PER_KEY = 20  # so one high-cardinality key (host=...) cannot crowd the others out
 
 
@@ -123,13 +137,13 @@ class WorkerAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMi
     change_form_template = "admin/workers/worker/change_form.html"
     fieldsets = [
         (None, {"fields": ["id", "name", "status_display", "worker_type", "labels_display", "current_job_display"]}),
-        ("Machine", {"fields": ["hostname", "agent_version", "agent_display", "gpus", "accelerator_type", "gpu_info_display", "metrics_display"]}),
+        ("Machine", {"fields": ["hostname_shown", "agent_version_shown", "agent_display", "gpus", "accelerator_shown", "gpu_info_display", "metrics_display"]}),
         ("Connection", {"fields": ["heartbeat", "connected_at", "stream_opened_at", "status_changed_at", "drain_requested_at", "tokens_display"]}),
         ("History", {"fields": ["created_at", "created_by", "recent_jobs", "audit_trail"]}),
     ]
     readonly_fields = [
-        "id", "name", "status_display", "worker_type", "labels_display", "current_job_display", "hostname",
-        "agent_version", "agent_display", "gpus", "accelerator_type", "gpu_info_display", "metrics_display", "heartbeat",
+        "id", "name", "status_display", "worker_type", "labels_display", "current_job_display", "hostname_shown",
+        "agent_version_shown", "agent_display", "gpus", "accelerator_shown", "gpu_info_display", "metrics_display", "heartbeat",
         "connected_at", "stream_opened_at", "status_changed_at", "drain_requested_at", "tokens_display",
         "created_at", "created_by", "recent_jobs", "audit_trail",
     ]  # fmt: skip
@@ -152,7 +166,7 @@ class WorkerAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMi
         if worker.status == WorkerStatus.IDLE and not worker.has_stream:
             note = "no open stream"
         elif not note and worker.agent_name and worker.agent_name != worker.name:
-            note = f"agent calls itself {worker.agent_name}"
+            note = f"agent calls itself {format_controls_shown(worker.agent_name)}"
         return status_badge(worker.status, worker.get_status_display(), note=note)
 
     @admin.display(description="GPUs", ordering="gpu_count")
@@ -160,7 +174,7 @@ class WorkerAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMi
         if not worker.gpu_count:
             return format_html('<span class="st-muted">{}</span>', worker.accelerator_type or "none")
         vram = f" · {worker.gpu_vram_gb:g} GB" if worker.gpu_vram_gb else ""
-        return format_html("{}× {}{}", worker.gpu_count, worker.gpu_name or "GPU", vram)  # the agent names its GPU
+        return format_html("{}× {}{}", worker.gpu_count, format_controls_shown(worker.gpu_name or "GPU"), vram)  # the agent names it
 
     @admin.display(description="Labels")
     def labels_display(self, worker):
@@ -186,15 +200,19 @@ class WorkerAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMi
             return format_html('<span class="st-muted">{}</span>', "nothing yet (not registered)")
         said = format_html(
             "name {} · {}",
-            worker.agent_name or "—",
+            format_controls_shown(worker.agent_name or "—"),
             "unknown type" if worker.agent_persistent is None else ("persistent" if worker.agent_persistent else "ephemeral"),
         )
         notes = worker.agent_notes()
         if not notes:
             return said
         return format_html(
-            '{}{}', said, format_html_join("", '<div class="st-warning st-agent-note">{}</div>', ((n,) for n in notes))
+            '{}{}', said, format_html_join("", '<div class="st-warning st-agent-note">{}</div>', ((format_controls_shown(n),) for n in notes))
         )
+
+    hostname_shown = _reported("hostname", "Hostname")
+    agent_version_shown = _reported("agent_version", "Agent version")
+    accelerator_shown = _reported("accelerator_type", "Accelerator type")
 
     @admin.display(description="GPU info")
     def gpu_info_display(self, worker):

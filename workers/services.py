@@ -16,7 +16,7 @@ from audit import actions
 from audit.models import ActorType
 from audit.services import Actor, audit_events, audit_record, audit_write, audited_atomic
 from common.errors import Conflict, InvalidInput, NotFound
-from common.inputs import GPU_COUNT_MAX, GPU_VRAM_GB_MAX, clean_labels, clean_text, text_problem
+from common.inputs import GPU_COUNT_MAX, GPU_VRAM_GB_MAX, clean_labels, clean_text, name_problem
 from common.prepared import PreparedQuery, PreparedSQL
 
 from worker_agent import protocol
@@ -226,7 +226,7 @@ def _clean_name(name):
     if not name:
         raise InvalidInput("name is required", code="invalid_name")
     most = Worker._meta.get_field("name").max_length
-    problem = text_problem(name) or (f"is {len(name)} characters; at most {most}" if len(name) > most else None)
+    problem = name_problem(name) or (f"is {len(name)} characters; at most {most}" if len(name) > most else None)
     if problem:
         raise InvalidInput(f"name {problem}", code="invalid_name")
     return name
