@@ -12,9 +12,14 @@ from audit import actions
 from audit.services import audit_record, audited_atomic
 from common.errors import InvalidInput
 from common.inputs import name_problem
+from common.prepared import PreparedQuery
 
 from .models import NAME_MAX_CHARS, NAME_PATTERN, VERSION_SEPARATOR, TrainingConfig
 from .selectors import config_names, config_resolve
+
+
+# Every submit of a stored config locks its version: compiled once.
+_LOCK_VERSION = PreparedQuery(lambda *, pk: TrainingConfig.objects.select_for_update().filter(pk=pk)[:1])
 
 
 def check_name(name):
@@ -85,7 +90,8 @@ def config_for_submit(*, config_name, config, dataloader):
     and its dataloader unless one is given. A name not stored is taken as it is, unless
     ``SIMPLETUNER_REQUIRE_STORED_CONFIG`` is on: then InvalidInput (400 ``config_not_stored``) lists the
     stored names; a name holding a format control (``common.inputs.name_problem``) is InvalidInput
-    (``invalid_config_name``). Call in the submit's transaction, which marks the version used (``config_mark_used``).
+    (``invalid_config_name``). Call in the submit's transaction, which marks the version used (``config_mark_used``):
+    the version is locked until that transaction ends, so the job's recorded version holds the content it runs.
     """
     problem = name_problem(config_name)
     if problem:
@@ -100,6 +106,9 @@ def config_for_submit(*, config_name, config, dataloader):
                 extra={"stored_configs": names},
             )
         return config_name, config or {}, dataloader, None
+    # Read again under the version's row lock, held until the submit commits: an edit of the version waits for
+    # it and then finds it used (a new version), or has committed before and its content is what is read here.
+    stored = _LOCK_VERSION.first(pk=stored.pk)
     merged = {**(stored.config or {}), **(config or {})}
     return stored.name, merged, dataloader if dataloader is not None else stored.dataloader, stored
 
