@@ -28,6 +28,10 @@ route does. The pieces marked *bound* stay on: they keep the server's memory bou
 - ``lean`` holds what those two endpoints share: the request's headers read as Django reads them, the
   security headers Django's middleware adds (held to the middleware by ``serving/tests/test_lean.py`` on every
   route), and the replay of what was read to the fallback handler.
+- ``daphne.GuardedRequest`` with ``guard`` (bound) judges a request from its head before its body is read (a route's
+  body limit, the token a route with a body needs, the spool bound of all bodies together) and holds a body to
+  them as it arrives: daphne and Twisted spool a whole body to disk before the application sees a byte, so a
+  tokenless client could fill the disk (``tests/e2e/test_body_guard.py``).
 - ``daphne.SpooledBodyQueue`` (bound) replaces daphne's unbounded input queue with reads from its spool
   file: a 1 GiB upload +1 GiB -> +5 MiB of memory (``bench/upload_memory.py``).
 - ``daphne.transport_drained`` (bound) waits while Twisted has paused a connection for a full send buffer: a

@@ -15,11 +15,16 @@ import gc
 from functools import partial
 
 from daphne.cli import CommandLineInterface
+from daphne.http_protocol import WebRequest
 from daphne.server import Server
 from django.conf import settings
-from twisted.web import http
+
+from .guard import SPOOL, judge_head, route_path, too_large
 
 READ_BYTES = 1024 * 1024
+# How long a refused request's connection stays half-open (our side closed) so its client can read the answer
+# while it is still sending: its bytes meanwhile are dropped, never spooled.
+LINGER_S = 2.0
 
 # The cyclic garbage collector's thresholds (gen0 allocations, gen1 and gen2 collections; Python's are
 # 700, 10, 10). At 700, objects of requests still in flight are promoted to the oldest generation many
@@ -131,6 +136,87 @@ async def transport_drained(request):
             request.unregisterProducer()
 
 
+class GuardedRequest(WebRequest):
+    """daphne's request, judged by ``serving.guard`` from its head before its body is read (``gotLength``, which
+    Twisted's channel calls once the headers are in), and held to its route's limit and the process's spool
+    bound as its bytes arrive. A refused request is answered at once and never reaches the application."""
+
+    _limit = 0  # the most bytes this request's body may have
+    _received = 0
+    _held = 0  # bytes of the spool this request holds (``SPOOL``)
+    _refused = False
+
+    def gotLength(self, length):
+        chunked = length is None and self.requestHeaders.hasHeader(b"transfer-encoding")
+        path = route_path(self.channel._path)  # the request-target, which Twisted keeps on its channel
+        limit, refusal = judge_head(path, self._header, length, chunked)
+        if refusal is None and length:
+            refusal = SPOOL.take(length)
+            self._held = 0 if refusal else length
+        if refusal is not None:
+            super().gotLength(0)
+            self._refuse(refusal)
+            return
+        self._limit = limit
+        super().gotLength(length)
+
+    def _header(self, name):
+        values = self.requestHeaders.getRawHeaders(name)
+        return values[0] if values else None
+
+    def handleContentChunk(self, data):
+        if self._refused:
+            return
+        self._received += len(data)
+        refusal = too_large(self._limit) if self._received > self._limit else None
+        if refusal is None and self._received > self._held:  # a chunked body holds the spool as it arrives
+            refusal = SPOOL.take(self._received - self._held)
+            if refusal is None:
+                self._held = self._received
+        if refusal is not None:
+            self._refuse(refusal)
+            return
+        super().handleContentChunk(data)
+
+    def requestReceived(self, command, path, version):
+        if not self._refused:  # a refused request was answered; its connection is closing
+            super().requestReceived(command, path, version)
+
+    def finish(self):
+        self._give_back()
+        super().finish()
+
+    def connectionLost(self, reason):
+        self._give_back()
+        super().connectionLost(reason)
+
+    def _give_back(self):
+        if self._held:
+            SPOOL.give_back(self._held)
+            self._held = 0
+
+    def _refuse(self, refusal):
+        """Answer ``refusal`` and close: our side at once, the rest after ``LINGER_S`` (or when the client does)."""
+        self._refused = True
+        self._give_back()
+        self.requestHeaders.removeHeader(b"expect")  # no "100 Continue" after the answer
+        transport = self.channel.transport
+        transport.write(refusal.response())
+        half_close = getattr(transport, "loseWriteConnection", None)
+        if half_close is None:  # TLS: no half-close
+            transport.loseConnection()
+            return
+        half_close()
+        from twisted.internet import reactor  # daphne's, installed by now
+
+        reactor.callLater(LINGER_S, _abort_if_open, transport)
+
+
+def _abort_if_open(transport):
+    if transport.connected and not transport.disconnected:
+        transport.abortConnection()
+
+
 class SpooledBodyServer(Server):
     def run(self):
         if settings.FAST_PATHS:
@@ -138,7 +224,7 @@ class SpooledBodyServer(Server):
         super().run()
 
     def protocol_connected(self, protocol):
-        """daphne's own; with the fast paths on, an HTTP request also skips Twisted's parsing of a form body into
+        """daphne's own; an HTTP request becomes a ``GuardedRequest``, and with the fast paths on it also skips Twisted's parsing of a form body into
         ``request.args`` (``_parsePOSTFormSubmission``, which ``serving/tests/test_canaries.py`` holds to its
         meaning on the real ``twisted.web.http.Request``).
 
@@ -146,8 +232,11 @@ class SpooledBodyServer(Server):
         Content-Type alone (through the ``email`` package, for every POST) cost a quarter of the event
         loop's time under a stream of small POSTs such as heartbeats.
         """
-        if settings.FAST_PATHS and isinstance(protocol, http.Request):
-            protocol._parsePOSTFormSubmission = False
+        if isinstance(protocol, WebRequest):
+            if type(protocol) is WebRequest:  # before its channel reads its head (daphne connects it in __init__)
+                protocol.__class__ = GuardedRequest
+            if settings.FAST_PATHS:
+                protocol._parsePOSTFormSubmission = False
         super().protocol_connected(protocol)
 
     async def handle_reply(self, protocol, message):

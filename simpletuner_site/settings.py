@@ -384,6 +384,8 @@ SIMPLETUNER = {
     "ARTIFACT_JOB_QUOTA_BYTES": _env_int("SIMPLETUNER_ARTIFACT_JOB_QUOTA_BYTES", 200 * 1024**3, minimum=1),
     "ARTIFACT_RETENTION_DAYS": _env_int("SIMPLETUNER_ARTIFACT_RETENTION_DAYS", 0, minimum=0, maximum=36500),
     "ARTIFACT_SWEEP_INTERVAL": _env_seconds("SIMPLETUNER_ARTIFACT_SWEEP_INTERVAL", 3600),
+    # Request bodies spooled to disk by one server process, all together (serving.guard): past it, 503.
+    "SPOOL_MAX_BYTES": _env_int("SIMPLETUNER_SPOOL_MAX_BYTES", 0, minimum=0),
     # Refuse (400 config_not_stored) a job whose config_name is not a stored config (docs/operator-guide.md).
     "REQUIRE_STORED_CONFIG": _env_bool("SIMPLETUNER_REQUIRE_STORED_CONFIG", False),
 }
@@ -398,6 +400,7 @@ if _PROMETHEUS_MULTIPROC_DIR and not os.path.isdir(_PROMETHEUS_MULTIPROC_DIR):
     raise ImproperlyConfigured(
         f"PROMETHEUS_MULTIPROC_DIR must be an existing directory, got {_PROMETHEUS_MULTIPROC_DIR!r}"
     )
+SIMPLETUNER["SPOOL_MAX_BYTES"] = SIMPLETUNER["SPOOL_MAX_BYTES"] or SIMPLETUNER["ARTIFACT_MAX_BYTES"] + 256 * 1024**2
 
 # --- Auth and API ---------------------------------------------------------------------------
 AUTH_PASSWORD_VALIDATORS = [

@@ -93,3 +93,27 @@ def test_twisted_pauses_a_channel_for_a_full_send_buffer_with_the_flag_transport
     channel.resumeProducing()
     assert channel._waitingForTransport is False
 
+
+
+def test_twisted_gives_a_request_its_head_and_the_channel_its_target_before_its_body():
+    """``GuardedRequest.gotLength`` judges a request from its headers and ``channel._path`` (the request-target), which
+    Twisted's channel has set by the time it calls it, before the body's first byte: a real daphne request on a
+    real channel is refused from its head alone, and its body never reaches its content."""
+    from daphne.http_protocol import HTTPFactory
+    from twisted.internet.testing import StringTransport
+
+    from serving.daphne import GuardedRequest, SpooledBodyServer
+    from worker_agent import protocol
+
+    server = SpooledBodyServer(application=None, endpoints=["tcp:port=0:interface=127.0.0.1"])  # not run
+    server.connections = {}
+    channel = HTTPFactory(server).buildProtocol(("127.0.0.1", 0))
+    transport = StringTransport()
+    channel.makeConnection(transport)
+    channel.dataReceived(f"PUT {protocol.UPLOAD_PATH}/b/k?x=1 HTTP/1.1\r\nHost: h\r\nContent-Length: 5\r\n\r\n".encode())
+
+    (request,) = server.connections
+    assert type(request) is GuardedRequest and request._refused
+    assert transport.value().startswith(b"HTTP/1.1 401 Unauthorized\r\n")
+    channel.dataReceived(b"hello")
+    assert request.content.getvalue() == b""  # the body was dropped, never kept

@@ -123,7 +123,8 @@ def drop_database(server_url, database_url):
 class Orchestrator:
     """A migrated data dir, an operator token and a daphne process serving the orchestrator.
 
-    By default daphne is started directly: no sweeps run. With ``via_cli`` the server is
+    By default daphne is started directly (the serving package's server: ``python -m serving``): no sweeps run.
+    With ``via_cli`` the server is
     ``simpletuner server --no-local-worker --no-migrate`` instead, whose embedded scheduler runs the
     sweeps when there is no ``redis_url``; with ``celery`` a Celery worker with embedded beat
     (``celery -A simpletuner_site.celery worker -B``) runs them beside it, in the same environment.
@@ -219,7 +220,7 @@ class Orchestrator:
                 sys.executable, "-m", "simpletuner_cli", "server",
                 "--host", "127.0.0.1", "--port", str(port), "--no-local-worker", "--no-migrate",
             ]  # fmt: skip
-        return [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), ASGI_APPLICATION]
+        return [sys.executable, "-m", "serving", "-b", "127.0.0.1", "-p", str(port), ASGI_APPLICATION]
 
     def _spawn(self, port):
         self.port = port
