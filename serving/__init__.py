@@ -12,7 +12,8 @@ route does. The pieces marked *bound* stay on: they keep the server's memory bou
 
 - ``asgi.PooledASGIHandler`` (fast path) replaces Django's per-request thread (its ThreadSensitiveContext)
   and its async-mode middleware chain with a sync chain on ``SIMPLETUNER_REQUEST_THREADS`` long-lived
-  threads, and artifact transfers on ``SIMPLETUNER_TRANSFER_THREADS`` threads of their own. Bought: a new
+  threads, artifact transfers on ``SIMPLETUNER_TRANSFER_THREADS`` threads of their own and sign-ins (their
+  password hashing) on two more. Bought: a new
   thread per request was 21% of the server's samples; 8 threads against 20 on PostgreSQL, 3-31% more
   lifecycle throughput (``bench/fleet.py --only throughput``); a slow S3 transfer never holds a thread
   a heartbeat waits for. Django's ``handle`` is used as it is.

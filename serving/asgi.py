@@ -21,6 +21,10 @@ from .streams import WorkerStreamEndpoint
 # they run on their own threads (settings.TRANSFER_THREADS), so that however long storage takes, the request
 # threads stay free for heartbeats, reports and the API.
 TRANSFER_PATHS = (f"{protocol.UPLOAD_PATH}/", ARTIFACTS_API_PREFIX)
+# Sign-ins, whose password hashing (a quarter of a second of CPU each) runs on threads of their own: a flood of
+# them never holds a thread a heartbeat or a report is waiting for.
+LOGIN_PATHS = ("/admin/login/", "/api-auth/login/")
+LOGIN_THREADS = 2
 
 
 class StreamASGIHandler(ASGIHandler):
@@ -64,7 +68,8 @@ class PooledASGIHandler(StreamASGIHandler):
     the thread that sends them).
 
     An artifact transfer (``TRANSFER_PATHS``) runs the same chain on ``settings.TRANSFER_THREADS`` threads of
-    its own instead, so a body still on its way to storage never holds a thread a heartbeat is waiting for.
+    its own instead, so a body still on its way to storage never holds a thread a heartbeat is waiting for;
+    a sign-in (``LOGIN_PATHS``) on ``LOGIN_THREADS`` of its own, so password hashing never does.
     Everything else, ``handle`` included, is Django's.
     """
 
@@ -73,6 +78,7 @@ class PooledASGIHandler(StreamASGIHandler):
         chain = self._middleware_chain
         self.threads = ThreadPoolExecutor(max_workers=settings.REQUEST_THREADS, thread_name_prefix="request")
         self.transfer_threads = ThreadPoolExecutor(max_workers=settings.TRANSFER_THREADS, thread_name_prefix="transfer")
+        self.login_threads = ThreadPoolExecutor(max_workers=LOGIN_THREADS, thread_name_prefix="login")
 
         def run(request):
             close_old_connections()
@@ -83,10 +89,13 @@ class PooledASGIHandler(StreamASGIHandler):
 
         on_request_threads = sync_to_async(run, thread_sensitive=False, executor=self.threads)
         on_transfer_threads = sync_to_async(run, thread_sensitive=False, executor=self.transfer_threads)
+        on_login_threads = sync_to_async(run, thread_sensitive=False, executor=self.login_threads)
 
         async def run_chain(request):
             if request.path_info.startswith(TRANSFER_PATHS):
                 return await on_transfer_threads(request)
+            if request.path_info.startswith(LOGIN_PATHS):
+                return await on_login_threads(request)
             return await on_request_threads(request)
 
         self._middleware_chain = run_chain
