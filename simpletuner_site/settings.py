@@ -3,7 +3,6 @@
 import hashlib
 import hmac
 import os
-import re
 import secrets
 import socket
 from pathlib import Path
@@ -14,71 +13,14 @@ from django.core.exceptions import ImproperlyConfigured
 
 from worker_agent import protocol
 
+from .env import LOOPBACK_ALLOWED_HOSTS, default_allowed_hosts  # noqa: F401  (the loopback names: tests read them)
+from .env import env_bool as _env_bool
+from .env import env_choice as _env_choice
+from .env import env_int as _env_int
+from .env import env_rate as _env_rate
+from .env import env_seconds as _env_seconds
+
 BASE_DIR = Path(__file__).resolve().parent.parent
-
-
-def _env_bool(name, default):
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    value = raw.strip().lower()
-    if value in {"1", "true", "yes", "on"}:
-        return True
-    if value in {"0", "false", "no", "off"}:
-        return False
-    raise ImproperlyConfigured(f"{name} must be true or false, got {raw!r}")
-
-
-def _env_seconds(name, default):
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return float(default)
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ImproperlyConfigured(f"{name} must be a number of seconds, got {raw!r}") from None
-    if value <= 0:
-        raise ImproperlyConfigured(f"{name} must be positive, got {raw!r}")
-    return value
-
-
-def _env_int(name, default, minimum=0, maximum=None):
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ImproperlyConfigured(f"{name} must be an integer, got {raw!r}") from None
-    if value < minimum:
-        raise ImproperlyConfigured(f"{name} must be >= {minimum}, got {raw!r}")
-    if maximum is not None and value > maximum:
-        raise ImproperlyConfigured(f"{name} must be <= {maximum}, got {raw!r}")
-    return value
-
-
-_RATE = re.compile(r"^([1-9][0-9]*)/(s|sec|second|m|min|minute|h|hour|d|day)$")
-
-
-def _env_rate(name, default):
-    """Return a DRF throttle rate (``30/min``: a count per second, minute, hour or day) from ``name``."""
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    value = raw.strip().lower()
-    if not _RATE.match(value):
-        raise ImproperlyConfigured(f"{name} must look like 30/min (a count per s, min, hour or day), got {raw!r}")
-    return value
-
-
-def _env_choice(name, default, choices):
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    value = raw.strip().lower()
-    if value not in choices:
-        raise ImproperlyConfigured(f"{name} must be one of {', '.join(choices)}, got {raw!r}")
-    return value
 
 
 DATA_DIR = Path(os.environ.get("SIMPLETUNER_DATA_DIR") or "./var").resolve()
@@ -123,56 +65,10 @@ SIMPLETUNER_AUDIT_KEY = os.environ.get("SIMPLETUNER_AUDIT_KEY") or hmac.new(
 ).hexdigest()
 DEBUG = _env_bool("DJANGO_DEBUG", False)
 
-# The Host values a server answers to outside production mode when DJANGO_ALLOWED_HOSTS is not set: the
-# loopback names (Django's development default), the addresses in SIMPLETUNER_SERVER_HOSTS (set by
-# `simpletuner server`: its --host, every local interface address for 0.0.0.0 or ::, and the name its
-# built-in local worker dials), SIMPLETUNER_PUBLIC_URL's host, and this machine's names (host name, fully
-# qualified name) and the addresses its host name resolves to. Any other Host gets 400, so a page whose
-# DNS name is rebound to this machine cannot reach its API. DJANGO_ALLOWED_HOSTS, when not empty, is the list.
-LOOPBACK_ALLOWED_HOSTS = [".localhost", "127.0.0.1", "[::1]"]
-
-
-def _allowed_host(name):
-    """Return ``name`` as an ALLOWED_HOSTS entry: lower case; an IPv6 address bracketed, without its zone."""
-    name = name.strip().strip("[]").split("%", 1)[0].lower()
-    return f"[{name}]" if ":" in name else name
-
-
-def _wildcard(host):
-    import ipaddress
-
-    try:
-        return ipaddress.ip_address(host.strip().strip("[]")).is_unspecified
-    except ValueError:
-        return False
-
-
-def _default_allowed_hosts():
-    """Return ALLOWED_HOSTS outside production mode without DJANGO_ALLOWED_HOSTS (see above)."""
-    served = [h for h in os.environ.get("SIMPLETUNER_SERVER_HOSTS", "").split(",") if h.strip()]
-    hostname = socket.gethostname()
-    names = {*served, hostname, socket.getfqdn()}
-    try:
-        names |= {info[4][0] for info in socket.getaddrinfo(hostname, None)}
-    except OSError:  # a host name that does not resolve: the name alone
-        pass
-    if any(_wildcard(h) for h in served):
-        import psutil
-
-        families = (socket.AF_INET, socket.AF_INET6)
-        names |= {a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family in families}
-    try:
-        names.add(urlparse(os.environ.get("SIMPLETUNER_PUBLIC_URL", "")).hostname or "")
-    except ValueError:  # not a URL: refused below, with the reason
-        pass
-    extra = {_allowed_host(n) for n in names if n.strip()} - {"localhost", *LOOPBACK_ALLOWED_HOSTS}  # .localhost has it
-    return LOOPBACK_ALLOWED_HOSTS + sorted(extra)
-
-
 if os.environ.get("DJANGO_ALLOWED_HOSTS", "").strip() or PRODUCTION:
     ALLOWED_HOSTS = [h.strip() for h in os.environ.get("DJANGO_ALLOWED_HOSTS", "").split(",") if h.strip()]
 else:
-    ALLOWED_HOSTS = _default_allowed_hosts()
+    ALLOWED_HOSTS = default_allowed_hosts()
 if PRODUCTION and (not ALLOWED_HOSTS or "*" in ALLOWED_HOSTS):
     raise ImproperlyConfigured(
         "production mode needs DJANGO_ALLOWED_HOSTS: the host names this orchestrator answers to "
@@ -390,8 +286,9 @@ SIMPLETUNER = {
     "REQUIRE_STORED_CONFIG": _env_bool("SIMPLETUNER_REQUIRE_STORED_CONFIG", False),
 }
 
-# Form posts (the admin) are bounded like API bodies.
+# Form posts (the admin) are bounded like API bodies. The spool holds one largest upload and 256 MiB besides, unless set.
 DATA_UPLOAD_MAX_MEMORY_SIZE = SIMPLETUNER["MAX_REQUEST_BYTES"]
+SIMPLETUNER["SPOOL_MAX_BYTES"] = SIMPLETUNER["SPOOL_MAX_BYTES"] or SIMPLETUNER["ARTIFACT_MAX_BYTES"] + 256 * 1024**2
 
 # prometheus_client's multiprocess mode (observability.metrics): every orchestrator process on a host
 # writes its counters there, and a scrape of any one of them sums them all.
@@ -400,7 +297,6 @@ if _PROMETHEUS_MULTIPROC_DIR and not os.path.isdir(_PROMETHEUS_MULTIPROC_DIR):
     raise ImproperlyConfigured(
         f"PROMETHEUS_MULTIPROC_DIR must be an existing directory, got {_PROMETHEUS_MULTIPROC_DIR!r}"
     )
-SIMPLETUNER["SPOOL_MAX_BYTES"] = SIMPLETUNER["SPOOL_MAX_BYTES"] or SIMPLETUNER["ARTIFACT_MAX_BYTES"] + 256 * 1024**2
 
 # --- Auth and API ---------------------------------------------------------------------------
 AUTH_PASSWORD_VALIDATORS = [
