@@ -54,7 +54,7 @@ class SimWorker:
     async def create(self):
         c = self.client
         st, body, _ = await c.request("POST", "/api/admin/workers", headers=self.fleet.admin,
-                                      json_body={"name": self.name, "worker_type": "persistent", "labels": self.labels})
+                                      json_body={"name": self.name, "worker_type": protocol.WORKER_PERSISTENT, "labels": self.labels})
         if st not in (200, 201):
             raise HTTPError(f"create worker: {st} {body}")
         self.id, self.token = body["worker_id"], body["token"]

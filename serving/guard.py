@@ -26,7 +26,7 @@ from django.conf import settings
 from artifacts.tokens import token_lease
 from worker_agent import protocol
 
-WORKER_ROUTES = "/api/workers/"
+WORKER_ROUTES = protocol.API_PREFIX
 UPLOAD_ROUTES = f"{protocol.UPLOAD_PATH}/"
 RETRY_AFTER_S = 5
 
