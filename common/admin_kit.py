@@ -18,7 +18,7 @@ from django.utils.html import conditional_escape, format_html
 
 from .errors import ServiceError
 from .humanize import ago
-from .inputs import limit, text_problem
+from .inputs import json_problem, limit, text_problem
 from .permissions import may
 
 LIVE_ROWS_MAX = 500
@@ -264,7 +264,8 @@ def form_page(modeladmin, request, form, *, title, intro, form_id, submit_label)
 
 
 class JSONFormField(forms.JSONField):
-    """A form's JSON field that refuses JSON nested too deep for the decoder as invalid input, not a crash."""
+    """A form's JSON field that refuses JSON nested too deep for the decoder as invalid input, not a crash, and
+    shows JSON the API would refuse (``json_problem``: an unpaired surrogate cannot even be rendered) again as typed."""
 
     def to_python(self, value):
         try:
@@ -274,9 +275,12 @@ class JSONFormField(forms.JSONField):
 
     def bound_data(self, data, initial):
         try:
-            return super().bound_data(data, initial)
+            value = super().bound_data(data, initial)
         except RecursionError:
             return forms.fields.InvalidJSONInput(data)
+        if data is not None and not isinstance(value, forms.fields.InvalidJSONInput) and json_problem(value):
+            return forms.fields.InvalidJSONInput(data)
+        return value
 
 
 class ReadOnlyAdminMixin:

@@ -32,6 +32,7 @@ from common.admin_kit import (
     status_badge,
 )
 from common.errors import ServiceError
+from training_configs.admin import ConfigSecretsAdminMixin, masked_json_html
 from workers.admin import LabelPairsField
 
 from . import permissions, worker_admin  # noqa: F401 (worker_admin registers the Workers page)
@@ -149,7 +150,9 @@ def _progress_bar(job):
 
 
 @admin.register(Job)
-class JobAdmin(JobLogAdminMixin, OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin):
+class JobAdmin(
+    ConfigSecretsAdminMixin, JobLogAdminMixin, OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin
+):
     list_display = ["id", "config_name", "status_display", "progress_bar", "worker_display", "attempts", "age", "target", "priority"]
     live_fields = ("status_display", "progress_bar", "worker_display", "attempts")
     live_detail_fields = ("waiting", "log", "progress_chart")
@@ -181,8 +184,9 @@ class JobAdmin(JobLogAdminMixin, OperatorPermissionsMixin, ObjectButtonsMixin, L
         "id", "status_display", "waiting", "progress_bar", "progress_chart", "worker_display", "attempts", "last_error", "exit_code", "log",
         "full_log_link", "config_name", "config_display", "dataloader_display", "target", "labels", "gpu_count", "priority",
         "max_retries", "retry_on_failure", "retry_links", "submitted_at", "submitted_by", "dispatched_at",
-        "started_at", "finished_at", "audit_trail", "artifacts_display", "stored_config",
+        "started_at", "finished_at", "audit_trail", "artifacts_display", "stored_config", "config_revealed", "dataloader_revealed",
     ]  # fmt: skip
+    revealed_fields = {"config_display": "config_revealed", "dataloader_display": "dataloader_revealed"}
 
     @admin.display(description="Stored config")
     def stored_config(self, job):
@@ -250,10 +254,18 @@ class JobAdmin(JobLogAdminMixin, OperatorPermissionsMixin, ObjectButtonsMixin, L
 
     @admin.display(description="Config")
     def config_display(self, job):
+        return masked_json_html(job.config)
+
+    @admin.display(description="Config")
+    def config_revealed(self, job):
         return pretty_json_html(job.config)
 
     @admin.display(description="Dataloader")
     def dataloader_display(self, job):
+        return masked_json_html(job.dataloader) if job.dataloader is not None else "—"
+
+    @admin.display(description="Dataloader")
+    def dataloader_revealed(self, job):
         return pretty_json_html(job.dataloader) if job.dataloader is not None else "—"
 
     @admin.display(description="Label selectors")

@@ -284,6 +284,14 @@ SIMPLETUNER = {
     "SPOOL_MAX_BYTES": _env_int("SIMPLETUNER_SPOOL_MAX_BYTES", 0, minimum=0),
     # Refuse (400 config_not_stored) a job whose config_name is not a stored config (docs/operator-guide.md).
     "REQUIRE_STORED_CONFIG": _env_bool("SIMPLETUNER_REQUIRE_STORED_CONFIG", False),
+    # Keys of configs and dataloaders whose values are secrets (training_configs.secrets): shell-style patterns,
+    # comma-separated, matched case-insensitively at any depth; shown masked to readers without
+    # configs.view_config_secrets. Agents always receive them.
+    "SECRET_CONFIG_KEYS": tuple(
+        p.strip().lower()
+        for p in os.environ.get("SIMPLETUNER_SECRET_CONFIG_KEYS", "*token*,*secret*,*password*,*key*").split(",")
+        if p.strip()
+    ),
 }
 
 # Form posts (the admin) are bounded like API bodies. The spool holds one largest upload and 256 MiB besides, unless set.

@@ -31,6 +31,7 @@ GROUPS_MIGRATION = importlib.import_module("simpletuner_site.migrations.0001_ope
 SPLIT_MIGRATION = importlib.import_module("workers.migrations.0003_worker_permissions")
 ARTIFACTS_MIGRATION = importlib.import_module("artifacts.migrations.0002_artifact_permissions")
 CONFIGS_MIGRATION = importlib.import_module("training_configs.migrations.0002_config_permissions")
+SECRETS_MIGRATION = importlib.import_module("training_configs.migrations.0003_view_config_secrets")
 EDITOR = SimpleNamespace(connection=connection)
 
 
@@ -46,13 +47,16 @@ def test_the_operator_groups_are_shipped_with_their_permissions():
     GROUPS_MIGRATION.create_operator_groups(apps, EDITOR)  # a transactional test may have emptied the tables
     ARTIFACTS_MIGRATION.grant(apps, EDITOR)
     CONFIGS_MIGRATION.grant(apps, EDITOR)
+    SECRETS_MIGRATION.grant(apps, EDITOR)
 
     groups = _group_permissions()
 
     assert set(groups) >= {"viewer", "operator", "admin"}
     for name, shipped in (("viewer", GROUPS_MIGRATION.VIEWER), ("operator", GROUPS_MIGRATION.OPERATOR), ("admin", GROUPS_MIGRATION.ADMIN)):
-        assert groups[name] == sorted({*shipped, *ARTIFACTS_MIGRATION.GRANTS[name], *CONFIGS_MIGRATION.GRANTS[name]}), name
+        granted = {*ARTIFACTS_MIGRATION.GRANTS[name], *CONFIGS_MIGRATION.GRANTS[name], *SECRETS_MIGRATION.GRANTS.get(name, ())}
+        assert groups[name] == sorted({*shipped, *granted}), name
     assert "artifacts.download_artifact" not in groups["viewer"]
+    assert [name for name in ("viewer", "operator", "admin") if "configs.view_config_secrets" in groups[name]] == ["admin"]
     assert "artifacts.download_artifact" in groups["operator"]
     assert set(GROUPS_MIGRATION.VIEWER) < set(GROUPS_MIGRATION.OPERATOR) < set(GROUPS_MIGRATION.ADMIN)
     assert all(p.startswith(("workers.view_", "queue.view_", "audit.view_")) for p in GROUPS_MIGRATION.VIEWER)

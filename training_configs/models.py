@@ -25,6 +25,7 @@ class TrainingConfig(models.Model):
     class Meta:
         ordering = ["name", "-version"]
         constraints = [models.UniqueConstraint(fields=["name", "version"], name="config_version_unique")]
+        permissions = [("view_config_secrets", "Can view the secret values in configs and jobs' configs")]
 
     def __str__(self):
         return f"{self.name}{VERSION_SEPARATOR}{self.version}"

@@ -9,6 +9,7 @@ from common.fields import BoundedInt, BoundedJSON, BoundedText, Labels, StrictBo
 from common.http import api_url
 from common.inputs import GPU_COUNT_MAX
 from common.serializers import ModelSerializer, Serializer
+from training_configs.api.serializers import ConfigShown
 
 from ..models import Job, JobAttempt, JobTarget
 from ..selectors import job_waiting_reason
@@ -42,6 +43,8 @@ class JobSerializer(ModelSerializer):
     url = serializers.SerializerMethodField(help_text="This job's own address in the API.")
     config_version = serializers.SerializerMethodField(help_text="The stored config version the job runs; null: config not stored.")
     config_stored = serializers.SerializerMethodField()
+    config = ConfigShown(read_only=True, help_text="The trainer's config; secret keys' values masked without configs.view_config_secrets.")
+    dataloader = ConfigShown(read_only=True, allow_null=True, help_text="The dataloader config, if any; masked alike.")
 
     class Meta:
         model = Job

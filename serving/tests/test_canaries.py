@@ -33,6 +33,10 @@ WATCHED = [
     ("django.db.models.sql.compiler", "SQLCompiler.results_iter", "d279d61b80a3a1158af6029d13d8410a7aa2a2ab25b67929dda125a6fd459313", "common.prepared.PreparedQuery converts its rows with it"),
     ("django.db.models.query", "get_related_populators", "979430eb75b93969bf0a60d236ea2f7d8748c0931e9104b29804ec7a1c0dab43", "common.prepared.PreparedQuery populates select_related with it"),
     ("django.db.models.query", "RelatedPopulator", "4cc87fb0e18cb0ce1f551d18d7f5a5bc5c9f59824f1df1886c8f6de8c34a8d55", "common.prepared.PreparedQuery populates select_related with it"),
+    ("django.db.backends.sqlite3.base", "DatabaseWrapper._start_transaction_under_autocommit", "7315cfc61c1dde12afa3e1dd77790b874b07c8261f505760fcd5f169d1aae763", "common.db.sqlite3 takes its transaction lock around it"),
+    ("django.db.backends.base.base", "BaseDatabaseWrapper._commit", "8ebc361e1e8fcb8d33ccb0e4074b5d638269a87a037b7013d6a86fe116388b39", "common.db.sqlite3 releases its transaction lock after it"),
+    ("django.db.backends.base.base", "BaseDatabaseWrapper._rollback", "d671ec3bb3c8ed44da28e4a9c17ad387daa3eaee712d38b7af61219492916e07", "common.db.sqlite3 releases its transaction lock after it"),
+    ("django.db.backends.base.base", "BaseDatabaseWrapper._close", "d1a3f0e9a11cd0842ea402c2f180e6d1f116753ccc15064e1daef66faa531e7a", "common.db.sqlite3 releases its transaction lock after it"),
 ]
 
 

@@ -6,6 +6,17 @@ from common.fields import BoundedJSON, BoundedText
 from common.serializers import ModelSerializer, Serializer
 
 from ..models import NAME_MAX_CHARS, NAME_PATTERN, TrainingConfig
+from ..secrets import config_shown, may_view_secrets
+
+
+class ConfigShown(serializers.JSONField):
+    """A config or dataloader as the requesting user may read it: the values of secret keys masked
+    (``training_configs.secrets``) unless the user may view secrets, or when no request is known."""
+
+    def to_representation(self, value):
+        request = self.context.get("request")
+        reveal = request is not None and may_view_secrets(request.user)
+        return config_shown(super().to_representation(value), reveal=reveal)
 
 
 class ConfigCreateSerializer(Serializer):
@@ -16,6 +27,8 @@ class ConfigCreateSerializer(Serializer):
 
 
 class ConfigVersionSerializer(ModelSerializer):
+    config = ConfigShown(read_only=True, help_text="The trainer's config (a JSON object); secret keys' values masked without configs.view_config_secrets.")
+    dataloader = ConfigShown(read_only=True, allow_null=True, help_text="The dataloader config (a JSON object or list), if any; masked alike.")
     owner = serializers.SerializerMethodField()
     immutable = serializers.BooleanField(read_only=True, help_text="A job used it: editing makes a new version.")
 

@@ -39,7 +39,7 @@ class ConfigListView(ListAPIView):
         serializer = ConfigCreateSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         created = services.config_create(**serializer.validated_data, actor=Actor.for_request(request))
-        return Response(ConfigVersionSerializer(created).data, status=201)
+        return Response(ConfigVersionSerializer(created, context={"request": request}).data, status=201)
 
 
 class ConfigDetailView(APIView):
@@ -54,4 +54,5 @@ class ConfigDetailView(APIView):
         versions = list(config_versions(name))
         if not versions:
             raise NotFound(f"no config named {name!r} is stored")
-        return Response({"name": name, "latest": versions[0].version, "versions": ConfigVersionSerializer(versions, many=True).data})
+        shown = ConfigVersionSerializer(versions, many=True, context={"request": request}).data
+        return Response({"name": name, "latest": versions[0].version, "versions": shown})
