@@ -27,12 +27,11 @@ from common.admin_kit import (
     confirmation_page,
     confirmed,
     form_page,
-    pretty_json_html,
     run_service_on_each,
     status_badge,
 )
 from common.errors import ServiceError
-from training_configs.admin import ConfigSecretsAdminMixin, masked_json_html
+from training_configs.admin import ConfigSecretsAdminMixin
 from workers.admin import LabelPairsField
 
 from . import permissions, worker_admin  # noqa: F401 (worker_admin registers the Workers page)
@@ -186,7 +185,6 @@ class JobAdmin(
         "max_retries", "retry_on_failure", "retry_links", "submitted_at", "submitted_by", "dispatched_at",
         "started_at", "finished_at", "audit_trail", "artifacts_display", "stored_config", "config_revealed", "dataloader_revealed",
     ]  # fmt: skip
-    revealed_fields = {"config_display": "config_revealed", "dataloader_display": "dataloader_revealed"}
 
     @admin.display(description="Stored config")
     def stored_config(self, job):
@@ -251,22 +249,6 @@ class JobAdmin(
         if not job.log_tail:
             return format_html('<span class="st-muted">{}</span>', "no output yet")
         return format_html('<pre class="st-log">{}</pre>', job.log_tail)
-
-    @admin.display(description="Config")
-    def config_display(self, job):
-        return masked_json_html(job.config)
-
-    @admin.display(description="Config")
-    def config_revealed(self, job):
-        return pretty_json_html(job.config)
-
-    @admin.display(description="Dataloader")
-    def dataloader_display(self, job):
-        return masked_json_html(job.dataloader) if job.dataloader is not None else "—"
-
-    @admin.display(description="Dataloader")
-    def dataloader_revealed(self, job):
-        return pretty_json_html(job.dataloader) if job.dataloader is not None else "—"
 
     @admin.display(description="Label selectors")
     def labels(self, job):

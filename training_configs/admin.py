@@ -106,9 +106,11 @@ def config_diff_html(config, *, reveal=False):
 
 class ConfigSecretsAdminMixin:
     """For an admin page that shows configs: each field of ``revealed_fields`` (one that shows a config with its
-    secret values masked) is replaced by its revealing twin for a user who may view secrets."""
+    secret values masked) is replaced by its revealing twin for a user who may view secrets. Its objects'
+    ``config`` and ``dataloader`` are shown by ``config_display`` and ``dataloader_display`` (list both, and
+    their ``_revealed`` twins, in ``readonly_fields``)."""
 
-    revealed_fields = {}
+    revealed_fields = {"config_display": "config_revealed", "dataloader_display": "dataloader_revealed"}
 
     def get_fields(self, request, obj=None):
         return self._for_reader(request, super().get_fields(request, obj))
@@ -120,6 +122,22 @@ class ConfigSecretsAdminMixin:
         if not may_view_secrets(request.user):
             return list(fields)
         return [self.revealed_fields.get(field, field) for field in fields]
+
+    @admin.display(description="Config")
+    def config_display(self, obj):
+        return masked_json_html(obj.config)
+
+    @admin.display(description="Config")
+    def config_revealed(self, obj):
+        return pretty_json_html(obj.config)
+
+    @admin.display(description="Dataloader")
+    def dataloader_display(self, obj):
+        return masked_json_html(obj.dataloader) if obj.dataloader is not None else "—"
+
+    @admin.display(description="Dataloader")
+    def dataloader_revealed(self, obj):
+        return pretty_json_html(obj.dataloader) if obj.dataloader is not None else "—"
 
 
 def masked_json_html(value):
@@ -137,11 +155,7 @@ class TrainingConfigAdmin(ConfigSecretsAdminMixin, admin.ModelAdmin):
         "version", "owner", "created_at", "used_at", "diff_display", "diff_revealed", "config_display", "config_revealed",
         "dataloader_display", "dataloader_revealed",
     ]  # fmt: skip
-    revealed_fields = {
-        "diff_display": "diff_revealed",
-        "config_display": "config_revealed",
-        "dataloader_display": "dataloader_revealed",
-    }
+    revealed_fields = {**ConfigSecretsAdminMixin.revealed_fields, "diff_display": "diff_revealed"}
 
     def get_readonly_fields(self, request, obj=None):
         return [*self.readonly_fields, "name"] if obj is not None else self.readonly_fields
@@ -169,22 +183,6 @@ class TrainingConfigAdmin(ConfigSecretsAdminMixin, admin.ModelAdmin):
     @admin.display(description="Changes from the previous version")
     def diff_revealed(self, config):
         return config_diff_html(config, reveal=True)
-
-    @admin.display(description="Config")
-    def config_display(self, config):
-        return masked_json_html(config.config)
-
-    @admin.display(description="Config")
-    def config_revealed(self, config):
-        return pretty_json_html(config.config)
-
-    @admin.display(description="Dataloader")
-    def dataloader_display(self, config):
-        return masked_json_html(config.dataloader) if config.dataloader is not None else "—"
-
-    @admin.display(description="Dataloader")
-    def dataloader_revealed(self, config):
-        return pretty_json_html(config.dataloader) if config.dataloader is not None else "—"
 
     def save_model(self, request, obj, form, change):
         actor = Actor.for_request(request)
