@@ -6,7 +6,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8001
 PYTEST_ARGS ?=
 
-.PHONY: install run token test lint bench demo agent-wheel clean soak soak-short
+.PHONY: install install-dev run token test test-fast lint bench demo agent-wheel clean soak soak-short
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,7 +15,15 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $@
 
+$(VENV)/.installed-dev: $(VENV)/.installed requirements-dev.txt
+	$(PY) -m pip install --quiet -r requirements-dev.txt
+	touch $@
+
+## The orchestrator's runtime only (requirements.txt) into $(VENV): what `make run` needs
 install: $(VENV)/.installed
+
+## The runtime plus the tools of the tests, the lint and the agent wheel's build (requirements-dev.txt)
+install-dev: $(VENV)/.installed-dev
 
 ## Run the orchestrator on the embedded default (SQLite in ./var, no Redis) at http://$(HOST):$(PORT)
 run: install
@@ -26,11 +34,17 @@ token: install
 	@$(PY) manage.py create_api_token admin --superuser | tail -n 1
 
 ## The whole test suite (PostgreSQL/Redis tests run when DATABASE_URL/REDIS_URL are set)
-test: install
+test: install-dev
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+## The quick tier: SQLite, no Redis; no browser, no end-to-end servers, no soak. Its tests are shared among
+## one pytest-xdist process per core
+test-fast: install-dev
+	env -u DATABASE_URL -u REDIS_URL $(PY) -m pytest -p no:cacheprovider -n auto \
+		-m "not e2e and not browser and not postgres and not redis" $(PYTEST_ARGS)
+
 ## The layering contract (.importlinter): each layer imports only the layers below it
-lint: install
+lint: install-dev
 	$(VENV)/bin/lint-imports
 
 ## A whole fleet on this machine: orchestrator + 2 labelled agents + the built-in local worker, 5 jobs to completion
@@ -38,7 +52,7 @@ demo: install
 	$(PY) scripts/demo.py
 
 ## The agent's own wheel (requests, psutil, nvidia-ml-py only) into dist/, to install on GPU nodes
-agent-wheel: install
+agent-wheel: install-dev
 	rm -rf build/agent && mkdir -p build && cp -r worker_agent build/agent && rm -rf build/agent/__pycache__
 	$(PY) -m pip wheel --quiet --no-deps --no-build-isolation -w dist build/agent
 	rm -rf build/agent

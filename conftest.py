@@ -18,6 +18,29 @@ def redis_url():
     return require_redis_url()
 
 
+@pytest.fixture(scope="session")
+def sqlite_test_database_in_memory():
+    """Spell out the in-memory test database that Django gives an SQLite database without a TEST NAME."""
+    from django.conf import settings
+
+    for database in settings.DATABASES.values():
+        test = database.setdefault("TEST", {})
+        if database["ENGINE"] == "common.db.sqlite3" and not test.get("NAME"):
+            test["NAME"] = ":memory:"
+
+
+@pytest.fixture(scope="session")
+def django_db_modify_db_settings_xdist_suffix(
+    sqlite_test_database_in_memory, django_db_modify_db_settings_xdist_suffix
+):
+    """pytest-django's test database suffix per pytest-xdist worker (make test-fast), SQLite's name spelt out first.
+
+    pytest-django knows SQLite only by Django's own ENGINE; without the name it would move this project's
+    (common.db.sqlite3) test database from memory, which is each worker process's own, to a file it
+    cannot open. A PostgreSQL test database still gets the worker's suffix.
+    """
+
+
 @pytest.fixture(autouse=True)
 def no_audit_sealer_thread(monkeypatch):
     """No test process runs the audit sealer's thread (it would write beside the test): a test seals the chain

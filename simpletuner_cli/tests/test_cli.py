@@ -659,15 +659,22 @@ def test_worker_subcommand_runs_the_agent():
 
 
 # --- packaging and Celery ---------------------------------------------------------------------
-def test_pyproject_pins_match_requirements_txt():
-    pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
-    requirements = {
-        line.strip()
-        for line in (REPO_ROOT / "requirements.txt").read_text().splitlines()
-        if line.strip() and not line.startswith("#")
-    }
+def requirement_lines(name):
+    """Return the lines of requirements file ``name`` that are neither blank nor comments."""
+    lines = (line.strip() for line in (REPO_ROOT / name).read_text().splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
 
-    assert set(pyproject["dependencies"]) | set(pyproject["optional-dependencies"]["test"]) == requirements
+
+def test_pyproject_pins_match_the_requirements_files():
+    pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    runtime = requirement_lines("requirements.txt")
+    dev = requirement_lines("requirements-dev.txt")
+
+    assert sorted(pyproject["dependencies"]) == sorted(runtime)
+    # The dev file is the runtime (included, not copied) plus exactly the `test` extra's pins.
+    assert dev[0] == "-r requirements.txt"
+    assert sorted(pyproject["optional-dependencies"]["test"]) == sorted(dev[1:])
+    assert not {line.split("==")[0] for line in runtime} & {line.split("==")[0] for line in dev[1:]}
     assert pyproject["scripts"] == {"simpletuner": "simpletuner_cli.main:main"}
 
 
