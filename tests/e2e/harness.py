@@ -34,6 +34,9 @@ EVENT_DEADLINE_S = 10
 
 # Environment the test process may carry that must not leak into a server it does not configure.
 _SCRUBBED_ENV = ("DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE", "DJANGO_SECRET_KEY", "DJANGO_DEBUG")
+# The SIMPLETUNER_* variables a test run sets for every server it starts (.ci/run runs the protocol and
+# end-to-end tests once with SIMPLETUNER_FAST_PATHS=off); every other SIMPLETUNER_* is the test's to set.
+PASSED_THROUGH_ENV = ("SIMPLETUNER_FAST_PATHS",)
 
 
 class HarnessError(RuntimeError):
@@ -154,7 +157,11 @@ class Orchestrator:
     # environment and management commands
 
     def env(self):
-        env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV and not k.startswith("SIMPLETUNER_")}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in _SCRUBBED_ENV and (k in PASSED_THROUGH_ENV or not k.startswith("SIMPLETUNER_"))
+        }
         env.update(
             SIMPLETUNER_DATA_DIR=str(self.data_dir),
             DJANGO_SETTINGS_MODULE="simpletuner_site.settings",
