@@ -35,3 +35,26 @@ CHECKPOINT_COMPLETED = "checkpoint.completed"
 
 CONFIG_CREATED = "config.created"
 CONFIG_UPDATED = "config.updated"
+
+# Accounts (workers.accounts): users, groups and their permissions, however changed (admin, shell, commands).
+USER_CREATED = "user.created"
+USER_DELETED = "user.deleted"
+USER_ACTIVATED = "user.activated"
+USER_DEACTIVATED = "user.deactivated"
+USER_SUPERUSER_CHANGED = "user.superuser_changed"
+USER_STAFF_CHANGED = "user.staff_changed"
+USER_RENAMED = "user.renamed"
+USER_PASSWORD_CHANGED = "user.password_changed"
+USER_GROUPS_CHANGED = "user.groups_changed"
+USER_PERMISSIONS_CHANGED = "user.permissions_changed"
+GROUP_CREATED = "group.created"
+GROUP_RENAMED = "group.renamed"
+GROUP_DELETED = "group.deleted"
+GROUP_PERMISSIONS_CHANGED = "group.permissions_changed"
+
+# Sign-ins with a password (the admin's and the API's login pages): every success; failures bounded like
+# refused tokens, per client address and window: the window's first failure and each address or username
+# reaching the rate (workers.throttling).
+AUTH_LOGIN = "auth.login"
+AUTH_LOGIN_FAILED = "auth.login_failed"
+AUTH_LOGIN_THROTTLED = "auth.login_throttled"

@@ -1,10 +1,14 @@
 """The operators' admin: a fleet overview on the index, and list pages whose statuses refresh in place.
 
+Its sign-in page is throttled (``simpletuner_site.login``), and the account changes its pages make are
+audited as their signed-in user's (``workers.accounts``).
+
 Pages listen to the change feed (``realtime.operator_feed``); a ``changes`` event naming a row on the page, a
 reconnect, or a 10-second timer makes ``live.js`` fetch the changed cells from the page's ``live/``
 URL, rendered by the same display methods as the list itself.
 """
 
+import functools
 from datetime import timedelta
 
 from django.conf import settings
@@ -14,12 +18,16 @@ from django.template.response import TemplateResponse
 from django.urls import path
 from django.utils import timezone
 
+from audit.services import Actor
 from common.permissions import may
 from job_queue.models import Job, JobStatus
 from job_queue.permissions import VIEW_JOBS
 from job_queue.selectors import jobs_waiting_reasons
+from workers.accounts import acting_as
 from workers.models import Worker, WorkerStatus
 from workers.permissions import VIEW_WORKERS
+
+from .login import AdminLoginForm, throttled_answer
 
 RECENT_FAILURES = 5
 STUCK_SHOWN = 5
@@ -119,6 +127,21 @@ class OrchestratorAdminSite(admin.AdminSite):
     site_header = "SimpleTuner orchestrator"
     site_title = "SimpleTuner orchestrator"
     index_title = "Fleet"
+    login_form = AdminLoginForm
+
+    def login(self, request, extra_context=None):
+        """The sign-in page; 429 with ``Retry-After`` once the address or username is past the failed sign-ins' rate."""
+        return throttled_answer(super().login(request, extra_context))
+
+    def admin_view(self, view, cacheable=False):
+        """Every admin page, with the account changes it makes audited as its signed-in user's (``workers.accounts``)."""
+
+        @functools.wraps(view)
+        def acting(request, *args, **kwargs):
+            with acting_as(Actor.for_request(request)):
+                return view(request, *args, **kwargs)
+
+        return super().admin_view(acting, cacheable)
 
     def get_urls(self):
         overview = path("live/overview/", self.admin_view(self.overview_view), name="fleet_overview")

@@ -326,7 +326,12 @@ REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     # Failed token authentications (worker and operator tokens, the worker stream too) per client
     # address: past the rate a refused token is answered 429 with Retry-After (workers.throttling).
-    "DEFAULT_THROTTLE_RATES": {"failed_auth": _env_rate("SIMPLETUNER_FAILED_AUTH_RATE", "30/min")},
+    # Failed sign-ins with a password (admin and API login pages) per address and per username: past the
+    # rate the login page answers 429 without checking the password, until the window ends.
+    "DEFAULT_THROTTLE_RATES": {
+        "failed_auth": _env_rate("SIMPLETUNER_FAILED_AUTH_RATE", "30/min"),
+        "failed_login": _env_rate("SIMPLETUNER_FAILED_LOGIN_RATE", "10/min"),
+    },
 }
 # OpenAPI schema at /api/schema/, Swagger UI at /api/docs/; both readable by any signed-in operator
 # (session or Bearer token), like the rest of the API. The UI's JS/CSS come from the sidecar package,

@@ -9,6 +9,7 @@ from common.http import ARTIFACTS_API_PREFIX
 from observability.metrics import MetricsView
 
 from .landing import favicon, landing
+from .login import API_AUTH_URLS
 
 urlpatterns = [
     # The streams before admin/: the admin's catch-all would otherwise answer the change feed.
@@ -23,7 +24,8 @@ urlpatterns = [
     path("api/audit/", include("audit.api.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
-    path("api-auth/", include("rest_framework.urls")),
+    # The browsable API's sign-in (throttled: simpletuner_site.login) and sign-out, in DRF's namespace.
+    path("api-auth/", include((API_AUTH_URLS, "rest_framework"))),
     path("metrics", MetricsView.as_view(), name="metrics"),
     path("favicon.ico", favicon, name="favicon"),
     path("", landing, name="landing"),

@@ -6,4 +6,7 @@ class WorkersConfig(AppConfig):
     verbose_name = "Workers"
 
     def ready(self):
+        from . import receivers
         from .api import schema  # noqa: F401  registers the OpenAPI authentication extensions
+
+        receivers.connect()  # account changes and sign-ins audited (workers.accounts), failed sign-ins throttled

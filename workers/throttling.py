@@ -1,4 +1,4 @@
-"""Failed token authentication: counted per client address, refused with 429 past the rate, audited in bounded form.
+"""Failed authentication (tokens, and passwords at sign-in): counted, refused past the rate, audited in bounded form.
 
 Every refused worker or operator token (the worker stream's too) is counted against its client
 address in fixed windows of DRF's ``failed_auth`` rate (``SIMPLETUNER_FAILED_AUTH_RATE``, e.g.
@@ -12,8 +12,15 @@ Only failures touch the counters: a valid token is looked up exactly as before, 
 so a throttled address still gets its valid tokens served (a misconfigured agent behind a NAT does
 not lock its neighbours out). The counters live in the cache: Redis when ``REDIS_URL`` is set,
 shared by every server process; the process's memory otherwise, or while Redis is unreachable.
+
+Failed sign-ins with a password (the admin's and the API's login pages, ``simpletuner_site.login``)
+use the same counters at their own rate (``failed_login``, ``SIMPLETUNER_FAILED_LOGIN_RATE``), one per
+address and one per username: once either has used up the window, a sign-in is refused before its
+password is hashed (``login_refused``), the right password too, until the window ends. They are audited
+in the same bounded form (``auth.login_failed``, ``auth.login_throttled``), naming the username.
 """
 
+import hashlib
 import ipaddress
 import logging
 import math
@@ -27,6 +34,7 @@ from rest_framework.throttling import SimpleRateThrottle
 from audit import actions
 from common.remote import client_ip
 
+from .accounts import login_failure_audit
 from .models import TokenKind, token_display_prefix
 from .services import auth_failure_audit
 
@@ -97,13 +105,25 @@ class FailedAuthenticationThrottle(SimpleRateThrottle):
     def key(self, ident, window):
         return self.cache_format % {"ident": ident, "window": window}
 
-    def allow_request(self, request, view=None):
-        """Count one failed authentication from ``request``'s address; return False once past the rate."""
+    def for_ident(self, ident):
+        """Aim this throttle at ``ident``'s counter of the current window; return it."""
         self.now = self.timer()
-        self.ident = address_key(client_ip(request))
+        self.ident = ident
         self.window = int(self.now // self.duration)
+        return self
+
+    def count_failure(self):
+        """Count one failure against the ident; return False once past the rate."""
         self.failures = _increment(self.key(self.ident, self.window), self.duration * 2)
         return self.failures <= self.num_requests
+
+    def failures_so_far(self):
+        """Return the failures counted against the ident in the current window."""
+        return _cache_call("get", self.key(self.ident, self.window), 0)
+
+    def allow_request(self, request, view=None):
+        """Count one failed authentication from ``request``'s address; return False once past the rate."""
+        return self.for_ident(address_key(client_ip(request))).count_failure()
 
     def wait(self):
         """Return the seconds until the address's window ends."""
@@ -147,6 +167,80 @@ def authentication_failed(request, *, kind, presented, reason):
             details={**seen, "failures": throttle.failures, "window_seconds": throttle.duration, "retry_after": wait},
         )
     return wait
+
+
+# --- sign-ins with a password ----------------------------------------------------------------------
+
+LOGIN_SCOPE = "failed_login"
+USERNAME_RECORDED = 150  # characters of a claimed username kept in an audit row (Django's own username limit)
+
+
+class FailedLoginThrottle(FailedAuthenticationThrottle):
+    """The same fixed-window counters, for failed sign-ins, at DRF's ``failed_login`` rate."""
+
+    scope = LOGIN_SCOPE
+
+
+def _login_throttles(request, username):
+    """Return the throttles a sign-in as ``username`` from ``request`` counts against: its address's and the username's."""
+    digest = hashlib.sha256(username.encode("utf-8", "backslashreplace")).hexdigest()[:32]
+    return (
+        FailedLoginThrottle().for_ident(f"login:{address_key(client_ip(request))}"),
+        FailedLoginThrottle().for_ident(f"login-user:{digest}"),
+    )
+
+
+def login_refused(request, username):
+    """Return the seconds to wait when ``request``'s address or ``username`` has used up its failed sign-ins in the
+    current window, else None. Called before the password is checked, so a refused sign-in costs no hashing;
+    it is counted (the next window's first row says how many there were) but writes no row.
+    """
+    waits = []
+    for throttle in _login_throttles(request, username):
+        if throttle.failures_so_far() >= throttle.num_requests:
+            throttle.count_failure()
+            waits.append(throttle.wait())
+    return max(waits) if waits else None
+
+
+def login_failed(request, username):
+    """Count a failed sign-in as ``username`` from ``request`` against its address and the username; audit it, bounded.
+
+    Rows: the address's first failure of the window (``auth.login_failed``, with the count of the window
+    before), and the failure that brings the address or the username to the rate (``auth.login_throttled``),
+    after which ``login_refused`` refuses them until the window ends. The username is recorded, the
+    password never.
+    """
+    by_address, by_username = _login_throttles(request, username)
+    for throttle in (by_address, by_username):
+        throttle.count_failure()
+    address = client_ip(request)
+    seen = {"username": _printable(username, USERNAME_RECORDED), "path": _printable(request.path, 200)}
+    if by_address.failures == 1:
+        login_failure_audit(
+            action=actions.AUTH_LOGIN_FAILED,
+            address=address,
+            details={
+                **seen,
+                "window_seconds": by_address.duration,
+                "failures_in_previous_window": by_address.failures_in_previous_window(),
+            },
+        )
+    for per, throttle in (("address", by_address), ("username", by_username)):
+        if throttle.failures == throttle.num_requests:
+            logger.warning(
+                "failed sign-ins throttled for %s (%s): %d failures within %d s",
+                seen["username"] if per == "username" else address,
+                per,
+                throttle.failures,
+                throttle.duration,
+            )
+            login_failure_audit(
+                action=actions.AUTH_LOGIN_THROTTLED,
+                address=address,
+                details={**seen, "per": per, "failures": throttle.failures, "window_seconds": throttle.duration,
+                         "retry_after": throttle.wait()},
+            )  # fmt: skip
 
 
 def _printable(text, limit):

@@ -90,11 +90,17 @@ def _decode(stored):
     return json.loads(data) if isinstance(data, str) else data
 
 
-def audit_rows(action=None, **filters):
-    """Return audit rows (oldest first), optionally only those of ``action``."""
+def audit_rows(action=None, *, accounts=False, **filters):
+    """Return audit rows (oldest first), optionally only those of ``action``.
+
+    Without ``action``, the rows of account changes and sign-ins (``user.*``, ``group.*``, ``auth.login``:
+    what a test's users, their permissions and sessions write as it sets them up) only with ``accounts=True``.
+    """
     rows = AuditEvent.objects.filter(**filters).order_by("id")
     if action is not None:
         rows = rows.filter(action=action)
+    elif not accounts:
+        rows = rows.exclude(action__startswith="user.").exclude(action__startswith="group.").exclude(action="auth.login")
     return list(rows)
 
 

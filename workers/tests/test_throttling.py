@@ -220,11 +220,16 @@ def test_with_redis_the_counters_are_shared_through_it(redis_url, api_client, cl
 
 
 @pytest.mark.parametrize(
+    ("variable", "scope"),
+    [("SIMPLETUNER_FAILED_AUTH_RATE", "failed_auth"), ("SIMPLETUNER_FAILED_LOGIN_RATE", "failed_login")],
+    ids=["tokens", "sign-ins"],
+)
+@pytest.mark.parametrize(
     ("raw", "fine"), [("30/min", True), ("5/s", True), ("100/hour", True), ("ten/min", False), ("0/min", False)]
 )
-def test_the_rate_comes_from_the_environment_and_a_bad_one_stops_start_up(tmp_path, raw, fine):
-    code = "import simpletuner_site.settings as s; print(s.REST_FRAMEWORK['DEFAULT_THROTTLE_RATES']['failed_auth'])"
-    env = {**os.environ, "SIMPLETUNER_DATA_DIR": str(tmp_path), "SIMPLETUNER_FAILED_AUTH_RATE": raw}
+def test_the_rate_comes_from_the_environment_and_a_bad_one_stops_start_up(tmp_path, variable, scope, raw, fine):
+    code = f"import simpletuner_site.settings as s; print(s.REST_FRAMEWORK['DEFAULT_THROTTLE_RATES']['{scope}'])"
+    env = {**os.environ, "SIMPLETUNER_DATA_DIR": str(tmp_path), variable: raw}
     result = subprocess.run(
         [sys.executable, "-c", code], env=env, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True
     )
@@ -232,5 +237,5 @@ def test_the_rate_comes_from_the_environment_and_a_bad_one_stops_start_up(tmp_pa
         assert (result.returncode, result.stdout.strip()) == (0, raw)
     else:
         assert result.returncode != 0
-        assert "SIMPLETUNER_FAILED_AUTH_RATE must look like 30/min" in result.stderr
+        assert f"{variable} must look like 30/min" in result.stderr
 

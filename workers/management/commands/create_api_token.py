@@ -7,6 +7,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
 from audit.services import audited_atomic
+from workers.accounts import acting_as
 from workers.services import api_token_create
 
 from ._workers import command_actor, service_errors
@@ -25,7 +26,8 @@ class Command(BaseCommand):
 
     def handle(self, username, superuser, description, expires_in=None, **options):
         User = get_user_model()
-        with audited_atomic():
+        actor = command_actor("create_api_token")
+        with audited_atomic(), acting_as(actor):  # a user it creates is audited as this command's
             user = User.objects.filter(username=username).first()
             if user is None:
                 if not superuser:
@@ -37,7 +39,7 @@ class Command(BaseCommand):
             expires_at = timezone.now() + timedelta(days=expires_in) if expires_in is not None else None
             with service_errors():
                 token = api_token_create(
-                    user=user, actor=command_actor("create_api_token"), description=description, expires_at=expires_at
+                    user=user, actor=actor, description=description, expires_at=expires_at
                 )
         self.stderr.write("API token (shown once; use it as: Authorization: Bearer <token>):")
         self.stdout.write(token)
