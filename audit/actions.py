@@ -16,6 +16,9 @@ LOCAL_WORKER_PROVISIONED = "worker.local_provisioned"
 # the one that crossed the rate (workers.throttling).
 AUTH_FAILED = "auth.failed"
 AUTH_THROTTLED = "auth.throttled"
+# A worker past the rate of refusals it provokes with its own valid token, or of registrations (workers.throttling):
+# once per worker and window.
+WORKER_THROTTLED = "worker.throttled"
 
 API_TOKEN_CREATED = "api_token.created"
 API_TOKEN_REVOKED = "api_token.revoked"

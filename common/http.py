@@ -63,9 +63,11 @@ def error_responses(*status_codes):
 
 def add_throttled_responses(result, generator, request, public):
     """drf-spectacular postprocessing hook: every operation that can refuse a token (401) can also answer
-    429 ``throttled`` with ``Retry-After``, once the client's address is past the failed-authentication rate."""
+    429 ``throttled`` with ``Retry-After``, once the client's address is past the failed-authentication rate (or,
+    on the worker protocol, the worker past the same rate of refusals or registrations: ``workers.throttling``)."""
     throttled = {
-        "description": "Too many failed authentications from this address (`throttled`); retry after `Retry-After`",
+        "description": "Too many failed authentications from this address, or refused requests or registrations of this "
+        "worker (`throttled`); retry after `Retry-After`",
         "headers": {"Retry-After": {"schema": {"type": "integer"}, "description": "Seconds to wait."}},
         "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
     }

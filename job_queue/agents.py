@@ -25,6 +25,7 @@ from workers.services import (
     worker_stream_opened_fields,
     worker_token_sql,
 )
+from workers.throttling import worker_refused
 from workers.transitions import worker_resting_status, workers_transition
 
 from .dispatch import (
@@ -36,7 +37,7 @@ from .dispatch import (
     workers_free_and_offer,
 )
 from .models import JOB_ACTIVE, Job, JobStatus
-from .reports import attempt_spoke, job_record_progress
+from .reports import attempt_spoke, job_record_progress, job_report_refused_audit
 from .selectors import jobs_waiting_for
 from .services import lock_job
 from .transitions import jobs_acknowledge, jobs_release, operator_interruption
@@ -108,9 +109,9 @@ def worker_heartbeat(*, worker_id, data, actor):
 
     A heartbeat that changes no state is recorded by ``worker_heartbeat_liveness``, the one place that decides
     what such a heartbeat is (the heartbeat's fast path records it there too); any other is handled here.
-    Raise StaleReport if the agent names a job that is no longer its own; only that refusal's audit
-    row is written then. A heartbeat never takes a worker out of draining; an offline worker that
-    heartbeats comes back.
+    Raise StaleReport if the agent names a job that is no longer its own; nothing is written then but the
+    refusal's audit row, bounded per worker and window (``workers.throttling.worker_refused``). A heartbeat
+    never takes a worker out of draining; an offline worker that heartbeats comes back.
     """
     now = timezone.now()
     answer = worker_heartbeat_liveness(worker_id=worker_id, data=data, now=now)
@@ -120,19 +121,20 @@ def worker_heartbeat(*, worker_id, data, actor):
     with audited_atomic():
         worker = lock_worker(worker_id)
         refused = bool(reported_job_id) and str(reported_job_id) != worker.current_job_id
-        if refused:
-            # Audited and committed before raising: this refusal is what makes a returning agent stop its copy.
-            audit_record(
-                actor=actor,
-                action=actions.JOB_REPORT_REFUSED,
-                target_type="job",
-                target_id=str(reported_job_id),
-                details={"reported": "heartbeat", "reason": protocol.JOB_NOT_OWNED, "worker": worker.pk},
-                success=False,
-            )
-        else:
+        if not refused:
             held = _record_heartbeat(worker=worker, data=data, reported_job_id=reported_job_id, now=now, actor=actor)
     if refused:
+        # Always the 409 that makes a returning agent stop its copy; its audit row is bounded (workers.throttling).
+        worker_refused(
+            worker_id=worker.pk,
+            address=actor.ip,
+            record=lambda previous: job_report_refused_audit(
+                actor=actor,
+                job_id=str(reported_job_id),
+                details={"reported": "heartbeat", "reason": protocol.JOB_NOT_OWNED, "worker": worker.pk},
+                previous=previous,
+            ),
+        )
         raise StaleReport(
             f"job {reported_job_id} is not assigned to worker {worker.name}; stop it",
             code=protocol.JOB_NOT_OWNED,
@@ -329,10 +331,13 @@ def _record_heartbeat(*, worker, data, reported_job_id, now, actor):
 def worker_disconnect(*, worker_id, actor, reason="agent disconnected"):
     """Take the worker offline; a job it held goes back to the queue by the retry rules.
 
-    A worker that never registered stays ``connecting``: there is no session to end.
+    A worker that never registered stays ``connecting``: there is no session to end. A disconnect that
+    changes nothing (the worker is offline or connecting already, holding no job) writes no audit row, so
+    repeating it cannot grow the audit log.
     """
     with audited_atomic():
         worker = lock_worker(worker_id)
+        changes = worker.current_job_id is not None or worker.status not in (WorkerStatus.OFFLINE, WorkerStatus.CONNECTING)
         if worker.current_job_id:
             job = lock_job(worker.current_job_id)
             if job is not None:
@@ -341,13 +346,14 @@ def worker_disconnect(*, worker_id, actor, reason="agent disconnected"):
             workers_transition(workers=[worker], to=WorkerStatus.OFFLINE, actor=actor, reason=reason, current_job=None)
         elif worker.current_job_id:
             Worker.objects.filter(pk=worker.pk).update(current_job=None)
-        audit_record(
-            actor=actor,
-            action=actions.WORKER_DISCONNECTED,
-            target_type="worker",
-            target_id=worker.pk,
-            details={"reason": reason, "worker_type": worker.worker_type},
-        )
+        if changes:
+            audit_record(
+                actor=actor,
+                action=actions.WORKER_DISCONNECTED,
+                target_type="worker",
+                target_id=worker.pk,
+                details={"reason": reason, "worker_type": worker.worker_type},
+            )
     return {"status": worker.status}
 
 

@@ -12,6 +12,7 @@ from worker_agent import protocol
 from workers import events as worker_events
 from workers.models import Worker
 from workers.services import lock_workers
+from workers.throttling import worker_refused
 
 from .dispatch import redispatch_on_commit, workers_free_and_offer
 from .models import JOB_ACTIVE, JOB_TERMINAL, REPORTED_STATUS, AttemptOutcome, Job, JobStatus
@@ -89,7 +90,8 @@ def job_report(*, worker_id, job_id, data, actor):
     Only the worker holding the job's current attempt may report (``attempt`` fences older ones),
     with one exception: the completion of a lost attempt is accepted while the job has not finished,
     superseding the attempt that runs it meanwhile, if any (``jobs_recover_completion``). Raise
-    NotFound, StaleReport (409) for a job or attempt it no longer owns, or InvalidTransition.
+    NotFound, StaleReport (409) for a job or attempt it no longer owns (its audit row bounded per worker
+    and window: ``workers.throttling.worker_refused``), or InvalidTransition.
     """
     raw = data.get("status")
     if raw not in REPORTED_STATUS:
@@ -139,23 +141,36 @@ def _job_report(*, worker_id, job_id, data, actor, holder_id):
         elif job.status == JobStatus.CANCELLED and target == JobStatus.RUNNING:
             refusal = (protocol.JOB_CANCELLED, f"job {job.pk} was cancelled; stop it")
             worker_events.publish_on_commit(worker.pk, protocol.JOB_CANCEL, job_id=job.pk, attempt=job.lease_id)
-        if refusal:
-            audit_record(
-                actor=actor,
-                action=actions.JOB_REPORT_REFUSED,
-                target_type="job",
-                target_id=job.pk,
-                details={"reported": raw, "attempt": lease, "reason": refusal[0]},
-                success=False,
-            )
-            # Keep the refusal's audit row: commit it, then raise outside the transaction.
-        else:
+        if not refusal:
             attempt_append_log(lease_id=job.lease_id, chunk=data.get("log_lines"))
             attempt_record_progress(lease_id=job.lease_id, progress=_normalise_progress(data.get("progress")))
             result = _apply_report(job=job, worker=worker, raw=raw, target=target, error=error, data=data, actor=actor)
     if refusal:
+        # Always the 409 (with a cancel, the job_cancel committed above); its audit row is bounded per worker.
+        worker_refused(
+            worker_id=worker.pk,
+            address=actor.ip,
+            record=lambda previous: job_report_refused_audit(
+                actor=actor, job_id=job.pk, details={"reported": raw, "attempt": lease, "reason": refusal[0]}, previous=previous
+            ),
+        )
         raise StaleReport(refusal[1], code=refusal[0], extra={"abandon_job": job.pk})
     return result
+
+
+def job_report_refused_audit(*, actor, job_id, details, previous):
+    """Audit a worker's refused report or heartbeat on ``job_id`` (``job.report_refused``, with ``details`` and the
+    worker's refusals in the window before, ``previous``): the first refusal of its window, as
+    ``workers.throttling.worker_refused`` decides."""
+    with audited_atomic():
+        audit_record(
+            actor=actor,
+            action=actions.JOB_REPORT_REFUSED,
+            target_type="job",
+            target_id=job_id,
+            details={**details, "refusals_in_previous_window": previous},
+            success=False,
+        )
 
 
 def _apply_report(*, job, worker, raw, target, error, data, actor):

@@ -420,14 +420,30 @@ def parse_capabilities(data):
     }
 
 
-def worker_register_failed(*, reason, token_prefix, ip, name=""):
-    """Audit a refused registration (bad or revoked token)."""
+def worker_register_failed(*, reason, token_prefix, ip, name="", **details):
+    """Audit a refused registration (bad or revoked token, another worker's id), with ``details`` besides."""
     with audited_atomic():
         audit_record(
             actor=Actor("worker", "", clean_text(str(name or "")[:150]), ip),
             action=actions.WORKER_REGISTRATION_FAILED,
             target_type="worker",
-            details={"reason": reason, "token_prefix": clean_text(token_prefix)},
+            details={"reason": reason, "token_prefix": clean_text(token_prefix), **details},
+            success=False,
+        )
+
+
+def worker_throttled_audit(*, worker_id, address, details):
+    """Audit worker ``worker_id`` past the rate of refusals or registrations (``worker.throttled``).
+
+    Called by ``workers.throttling`` at most once per worker, kind and window.
+    """
+    with audited_atomic():
+        audit_record(
+            actor=Actor(ActorType.WORKER, str(worker_id), "", address),
+            action=actions.WORKER_THROTTLED,
+            target_type="worker",
+            target_id=str(worker_id),
+            details=details,
             success=False,
         )
 

@@ -18,6 +18,11 @@ use the same counters at their own rate (``failed_login``, ``SIMPLETUNER_FAILED_
 address and one per username: once either has used up the window, a sign-in is refused before its
 password is hashed (``login_refused``), the right password too, until the window ends. They are audited
 in the same bounded form (``auth.login_failed``, ``auth.login_throttled``), naming the username.
+
+What a worker provokes with its own valid token is bounded alike, per worker: refusals (reports and
+heartbeats for jobs or attempts it does not hold, claims to be another worker; ``worker_refused``) and
+registrations (``worker_registration_throttled``), each counted at the ``failed_auth`` rate, the window's
+first refusal and the crossing of the rate (``worker.throttled``) audited.
 """
 
 import hashlib
@@ -36,7 +41,7 @@ from common.remote import client_ip
 
 from .accounts import login_failure_audit
 from .models import TokenKind, token_display_prefix
-from .services import auth_failure_audit
+from .services import auth_failure_audit, worker_throttled_audit
 
 logger = logging.getLogger(__name__)
 
@@ -241,6 +246,54 @@ def login_failed(request, username):
                 details={**seen, "per": per, "failures": throttle.failures, "window_seconds": throttle.duration,
                          "retry_after": throttle.wait()},
             )  # fmt: skip
+
+
+# --- what a worker provokes with its own valid token -------------------------------------------------
+
+
+def _worker_throttle(worker_id, what):
+    """The failed-authentication counters and rate, aimed at worker ``worker_id``'s ``what`` in this window."""
+    return FailedAuthenticationThrottle().for_ident(f"worker-{what}:{worker_id}")
+
+
+def worker_refused(*, worker_id, address, record=None):
+    """Count a refusal that worker ``worker_id`` provoked with its own valid token (a report or heartbeat naming a
+    job or attempt it does not hold, a claim to be another worker) against that worker, in the windows and at
+    the rate of failed authentication; return the seconds to wait once it is past the rate, else None.
+
+    Audited in the same bounded form: ``record(previous)``, if given, writes the window's first refusal's own
+    row (``previous``: the refusals of the window before); the refusal that crosses the rate writes
+    ``worker.throttled``; the others write nothing. The caller's answer may stay what the protocol says
+    (a stale report is still a 409 that makes the agent stop its copy): only the rows are bounded then.
+    """
+    throttle = _worker_throttle(worker_id, "refusals")
+    allowed = throttle.count_failure()
+    if throttle.failures == 1 and record is not None:
+        record(throttle.failures_in_previous_window())
+    return _worker_past_rate(throttle, allowed, worker_id=worker_id, address=address, what="refusals")
+
+
+def worker_registration_throttled(*, worker_id, address):
+    """Count a registration of worker ``worker_id`` (each one changes its state and writes its rows) at the rate of
+    failed authentication; return the seconds to wait once past it (answer 429 and register nothing), else None.
+    A register/disconnect loop thus writes a bounded number of rows per window."""
+    throttle = _worker_throttle(worker_id, "registrations")
+    allowed = throttle.count_failure()
+    return _worker_past_rate(throttle, allowed, worker_id=worker_id, address=address, what="registrations")
+
+
+def _worker_past_rate(throttle, allowed, *, worker_id, address, what):
+    if allowed:
+        return None
+    wait = throttle.wait()
+    if throttle.failures == throttle.num_requests + 1:
+        logger.warning("worker %s throttled: %d %s within %d s", worker_id, throttle.failures, what, throttle.duration)
+        worker_throttled_audit(
+            worker_id=worker_id,
+            address=address,
+            details={"what": what, "count": throttle.failures, "window_seconds": throttle.duration, "retry_after": wait},
+        )
+    return wait
 
 
 def _printable(text, limit):

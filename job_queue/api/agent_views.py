@@ -23,10 +23,13 @@ from workers.api.serializers import (
     WorkerStatusSerializer,
 )
 from workers.authentication import IsWorker, WorkerTokenAuthentication
+from workers.throttling import worker_refused, worker_registration_throttled
 
 from .. import agents, reports
 
 WORKER_ID_QUERY = query_parameter("worker_id", "Optional; must be the token's own worker (403 otherwise).")
+REFUSALS_THROTTLED = "Too many refused requests from this worker."
+REGISTRATIONS_THROTTLED = "Too many registrations of this worker."
 
 
 class WorkerAPIView(APIView):
@@ -44,9 +47,18 @@ class WorkerAPIView(APIView):
         return Actor.for_worker(self.worker, client_ip(self.request))
 
     def check_worker_id(self, claimed):
-        """Refuse a request that names a different worker than the token's."""
+        """Refuse a request that names a different worker than the token's: 403, or 429 once the worker is past
+        the rate of refusals (``workers.throttling.worker_refused``, which bounds its audit rows)."""
         if claimed and str(claimed) != self.worker.pk:
-            raise exceptions.PermissionDenied(f"this token belongs to worker {self.worker.pk}, not {claimed}")
+            detail = f"this token belongs to worker {self.worker.pk}, not {claimed}"
+            wait = worker_refused(worker_id=self.worker.pk, address=client_ip(self.request), record=self.claim_audit(detail))
+            if wait is not None:
+                raise exceptions.Throttled(wait=wait, detail=REFUSALS_THROTTLED)
+            raise exceptions.PermissionDenied(detail)
+
+    def claim_audit(self, detail):
+        """Return what writes the audit row of a claim to be another worker (the window's first), or None: none."""
+        return None
 
     def validated(self, serializer_class, data):
         serializer = serializer_class(data=data)
@@ -56,6 +68,16 @@ class WorkerAPIView(APIView):
 
 
 class RegisterView(WorkerAPIView):
+    def claim_audit(self, detail):
+        request = self.request
+        return lambda previous: worker_services.worker_register_failed(
+            reason=detail,
+            token_prefix=request.auth.prefix,
+            ip=client_ip(request),
+            name=request.data.get("name", "") if isinstance(request.data, dict) else "",
+            refusals_in_previous_window=previous,
+        )
+
     @extend_schema(
         tags=["workers"],
         summary="Register (or re-register) the calling worker and learn where to stream from",
@@ -63,16 +85,10 @@ class RegisterView(WorkerAPIView):
         responses={200: RegisterResponseSerializer, **error_responses(400, 401, 403, 413)},
     )
     def post(self, request):
-        try:
-            data = self.validated(RegisterSerializer, request.data)
-        except exceptions.PermissionDenied as exc:  # a valid token claiming another worker's id
-            worker_services.worker_register_failed(
-                reason=str(exc.detail),
-                token_prefix=request.auth.prefix,
-                ip=client_ip(request),
-                name=request.data.get("name", "") if isinstance(request.data, dict) else "",
-            )
-            raise
+        data = self.validated(RegisterSerializer, request.data)
+        wait = worker_registration_throttled(worker_id=self.worker.pk, address=client_ip(request))
+        if wait is not None:  # nothing registered: a register/disconnect loop writes a bounded number of rows
+            raise exceptions.Throttled(wait=wait, detail=REGISTRATIONS_THROTTLED)
         result = agents.worker_register(worker_id=self.worker.pk, data=data, actor=self.actor)
         stream_path = f"{protocol.STREAM_PATH}?worker_id={self.worker.pk}"
         # SIMPLETUNER_PUBLIC_URL when set; otherwise the request's own address (its Host is one of ALLOWED_HOSTS).

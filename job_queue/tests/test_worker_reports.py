@@ -50,7 +50,7 @@ def test_report_from_a_worker_that_does_not_hold_the_job_is_409_and_audited(repo
     (refused,) = audit_rows(actions.JOB_REPORT_REFUSED, target_id=job.pk)
     assert refused.success is False
     assert (refused.actor_type, refused.actor_id) == ("worker", intruder.pk)
-    assert refused.details == {"reported": "completed", "attempt": None, "reason": "job_not_owned"}
+    assert refused.details == {"reported": "completed", "attempt": None, "reason": "job_not_owned", "refusals_in_previous_window": 0}
     assert audit_rows(actions.JOB_STATUS_CHANGED) == []
 
 
