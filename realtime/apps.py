@@ -10,6 +10,7 @@ class RealtimeConfig(AppConfig):
     def ready(self):
         from audit.events import CHANGES
         from common import outbox
+        from workers.accounts import ACCESS_CHANGED
         from workers.events import STREAMS_REVOKED, WORKER_EVENT
 
         from . import listeners, operator_feed, publish
@@ -20,3 +21,4 @@ class RealtimeConfig(AppConfig):
         )
         outbox.subscribe(STREAMS_REVOKED, publish.on_streams_revoked)
         outbox.subscribe(CHANGES, operator_feed.on_changes)
+        outbox.subscribe(ACCESS_CHANGED, operator_feed.on_access_changed)

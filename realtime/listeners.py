@@ -13,6 +13,7 @@ from django_eventstream.channelmanager import ChannelManagerBase
 from worker_agent import protocol
 from workers.models import Token
 
+from . import operator_feed
 from .db import in_db_thread
 from .operator_feed import CHANGES_CHANNEL, OperatorPrincipal
 from .publish import CONTROL_PREFIX, REVOKE, stream_principal_id, worker_channel
@@ -103,7 +104,7 @@ class WorkerChannelManager(ChannelManagerBase):
     def can_read_channel(self, user, channel):
         if isinstance(user, StreamPrincipal):
             return not user.revoked and channel in user.channels
-        return channel == CHANGES_CHANNEL and isinstance(user, OperatorPrincipal)
+        return channel == CHANGES_CHANNEL and isinstance(user, OperatorPrincipal) and not user.revoked
 
     def is_channel_reliable(self, channel):
         return not channel.startswith(CONTROL_PREFIX) and channel != CHANGES_CHANNEL
@@ -181,8 +182,10 @@ class WorkerListenerManager(es_views.ListenerManager):
 
     def add_to_queues(self, channel, event):
         if channel.startswith(CONTROL_PREFIX):
-            if event.type == REVOKE:
-                data = json.loads(event.data) if isinstance(event.data, str) else event.data
+            data = json.loads(event.data) if isinstance(event.data, str) else event.data
+            if event.type == operator_feed.RECHECK:
+                operator_feed.recheck_soon(data.get("users", ()))
+            elif event.type == REVOKE:
                 self.revoke(
                     channel[len(CONTROL_PREFIX):],
                     set(data.get("tokens", ())),
@@ -256,12 +259,17 @@ class WorkerListenerManager(es_views.ListenerManager):
         return closed
 
     async def resync(self, *, recheck_tokens):
-        """After a (re)subscription: close the streams of tokens revoked meanwhile (if asked), then catch up all."""
+        """After a (re)subscription: close the streams of tokens revoked meanwhile and the operator feeds no longer
+        allowed (if asked), then catch up all."""
         if recheck_tokens:
             try:
                 await in_db_thread(self.close_revoked_streams)()
             except Exception:
                 logger.exception("could not re-check the tokens of open streams after a Redis outage")
+            try:
+                await in_db_thread(operator_feed.close_unfollowable_feeds)()
+            except Exception:
+                logger.exception("could not re-check the operator feeds after a Redis outage")
         woken = self.catch_up_all()
         if recheck_tokens and woken:
             logger.info("%d stream(s) re-read storage after the Redis event listener reconnected", woken)

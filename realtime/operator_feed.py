@@ -3,15 +3,30 @@
 It relays the audit log's ``CHANGES`` announcements (``audit.events``), and serves them at
 GET /admin/live/changes to admin pages signed in with a session. The feed carries hints, not state: an admin page that hears its objects named re-reads them, and re-reads
 everything on (re)connect, so an event lost to a full queue or a Redis outage costs nothing.
+
+A feed lives only as long as the session that opened it would still open it: signed in, not expired,
+its user active, staff and allowed to follow. An account change that may take that away announces its
+users (``workers.accounts.ACCESS_CHANGED``); every process then re-checks those users' open feeds (a
+``recheck`` control message, sent like a worker stream's revocation) and ends each that fails, with a
+``stream-error``. Every ``RECHECK_INTERVAL_S`` each process re-checks all its feeds, for what a push
+missed (Redis down, a session expired, a queryset update).
 """
 
+import asyncio
+import hashlib
 import logging
 import queue
 import threading
+from importlib import import_module
 
+from django.conf import settings
+from django.contrib.auth import BACKEND_SESSION_KEY, HASH_SESSION_KEY, SESSION_KEY, get_user_model, load_backend
 from django.http import StreamingHttpResponse
+from django.utils.crypto import constant_time_compare
 from django_eventstream import eventstream as es_eventstream
 from django_eventstream import send_event
+from django_eventstream import views as es_views
+from django_eventstream.utils import sse_encode_error
 from django_eventstream.views import Listener, stream
 from redis.exceptions import RedisError
 
@@ -23,6 +38,7 @@ from workers.permissions import VIEW_WORKERS
 
 from .db import in_db_thread
 from .event_requests import event_request_for
+from .publish import CONTROL_PREFIX, send
 from .resume import requested_resume
 
 logger = logging.getLogger(__name__)
@@ -34,16 +50,37 @@ CHANGES = "changes"
 MAX_TARGETS = 100
 # Events waiting for the background publisher (Redis deployments); beyond this they are dropped.
 PUBLISH_QUEUE_MAX = 1000
+# The control message asking every process to re-check named users' feeds (payload: users, their ids).
+RECHECK = "recheck"
+# How often each process re-checks all its open feeds, for what a push missed.
+RECHECK_INTERVAL_S = 10.0
+REVOKED = "signed out, or no longer allowed to follow changes"
 
 
 class OperatorPrincipal:
-    """Stands in for ``request.user`` on the change feed: a signed-in operator allowed to follow it."""
+    """Stands in for ``request.user`` on the change feed: a signed-in operator allowed to follow it, by the session
+    that opened the feed. ``pk`` names the session (a digest), so a revocation ends that session's feeds only."""
 
     is_authenticated = True
     is_anonymous = False
 
-    def __init__(self, user_id):
-        self.pk = f"user:{user_id}"
+    def __init__(self, user_id, session_key):
+        self.user_id = user_id
+        self.session_key = session_key
+        self.pk = "session:" + hashlib.sha256(session_key.encode()).hexdigest()[:32]
+        self.revoked = False
+        self.revoked_reason = ""
+        self.revoked_code = ""
+
+
+class FeedListener(Listener):
+    """The library's listener for one feed, with the principal a revocation marks (``WorkerListenerManager.revoke``)."""
+
+    def __init__(self, principal, channels):
+        super().__init__()
+        self.principal = principal
+        self.user_id = principal.pk
+        self.channels = channels
 
 
 def changes_payload(targets):
@@ -119,15 +156,124 @@ def on_changes(*, targets):
 FOLLOW_PERMISSIONS = (VIEW_WORKERS, VIEW_JOBS, VIEW_AUDIT)
 
 
+def follow_refusal(user):
+    """Return None when ``user`` may follow the feed, else ``error_response``'s ``(code, detail, status)``."""
+    if not user.is_authenticated:
+        return ("not_authenticated", "sign in to the admin to follow changes", 401)
+    if not (user.is_staff and any(may(user, p) for p in FOLLOW_PERMISSIONS)):
+        return ("permission_denied", "only staff who may view workers, jobs or the audit log follow changes", 403)
+    return None
+
+
 @in_db_thread
 def _follower(request):
-    """Return ``(user id, None)`` for a user who may follow the feed, else ``(None, error response args)``."""
+    """Return ``(user id, session key, None)`` for a user who may follow the feed, else ``(None, None, error response
+    args)``."""
     user = request.user  # the session lookup happens here, off the event loop
-    if not user.is_authenticated:
-        return None, ("not_authenticated", "sign in to the admin to follow changes", 401)
-    if not (user.is_staff and any(may(user, p) for p in FOLLOW_PERMISSIONS)):
-        return None, ("permission_denied", "only staff who may view workers, jobs or the audit log follow changes", 403)
-    return user.pk, None
+    refusal = follow_refusal(user)
+    if refusal:
+        return None, None, refusal
+    return user.pk, request.session.session_key or "", None
+
+
+def session_user(session_key):
+    """Return the user that session ``session_key`` signs in now, as Django's ``auth.get_user`` would, else None.
+
+    Read only: unlike ``get_user``, it never flushes or re-keys the session (it is not this request's).
+    None for a session gone or expired, a user deleted or inactive, or a session from before a new password.
+    """
+    store = import_module(settings.SESSION_ENGINE).SessionStore(session_key)
+    try:
+        user_id = get_user_model()._meta.pk.to_python(store[SESSION_KEY])
+        backend_path = store[BACKEND_SESSION_KEY]
+    except KeyError:
+        return None
+    if backend_path not in settings.AUTHENTICATION_BACKENDS:
+        return None
+    user = load_backend(backend_path).get_user(user_id)
+    if user is None:
+        return None
+    presented = store.get(HASH_SESSION_KEY) or ""
+    valid = (user.get_session_auth_hash(), *user.get_session_auth_fallback_hash())
+    return user if presented and any(constant_time_compare(presented, h) for h in valid) else None
+
+
+def _feed_listeners(user_ids=None):
+    """Return this process's open feed listeners not yet revoked (of ``user_ids``' users only, when given)."""
+    return [
+        listener
+        for listener in es_views.get_listener_manager().listeners()
+        if isinstance(getattr(listener, "principal", None), OperatorPrincipal)
+        and not listener.principal.revoked
+        and (user_ids is None or listener.principal.user_id in user_ids)
+    ]
+
+
+def close_unfollowable_feeds(user_ids=None):
+    """End this process's feeds (of ``user_ids``' users, or all) whose session would not open the feed now; return
+    how many sessions' feeds ended. Sync: reads the database (sessions, users, permissions)."""
+    manager = es_views.get_listener_manager()
+    principals = {listener.principal.pk: listener.principal for listener in _feed_listeners(user_ids)}
+    closed = 0
+    for pk, principal in principals.items():
+        user = session_user(principal.session_key)
+        if user is None or user.pk != principal.user_id or follow_refusal(user) is not None:
+            manager.revoke(CHANGES_CHANNEL, {pk}, REVOKED, code="access_revoked")
+            closed += 1
+    return closed
+
+
+async def _recheck(user_ids):
+    try:
+        await in_db_thread(close_unfollowable_feeds)(user_ids)
+    except Exception:
+        logger.exception("could not re-check the operator feeds of users %s", sorted(user_ids) if user_ids else "(all)")
+
+
+_background = set()  # the re-checks under way (the loop keeps only weak references to its tasks)
+_periodic = {}  # event loop -> its periodic re-check task
+
+
+def _start(loop, name, function, *args):
+    task = loop.create_task(function(*args), name=name)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+    return task
+
+
+def recheck_soon(user_ids):
+    """Re-check, off the event loop, this process's feeds of ``user_ids``' users (``close_unfollowable_feeds``).
+
+    Called from any thread: on the ``recheck`` control message (``WorkerListenerManager.add_to_queues``).
+    """
+    user_ids = set(user_ids)
+    for loop in {listener.loop for listener in _feed_listeners(user_ids) if listener.loop is not None}:
+        try:
+            loop.call_soon_threadsafe(_start, loop, "operator-feed-recheck", _recheck, user_ids)
+        except RuntimeError:  # its loop closed meanwhile: so did its streams
+            continue
+
+
+def _recheck_periodically_here():
+    """Run the periodic re-check of this loop's feeds unless it runs already; it ends once the loop has none."""
+    loop = asyncio.get_running_loop()
+    task = _periodic.get(loop)
+    if task is None or task.done():
+        _periodic[loop] = task = _start(loop, "operator-feed-periodic-recheck", _recheck_periodically, loop)
+        task.add_done_callback(lambda done: _periodic.pop(loop, None) if _periodic.get(loop) is done else None)
+
+
+async def _recheck_periodically(loop):
+    while True:
+        await asyncio.sleep(RECHECK_INTERVAL_S)
+        if not any(listener.loop is loop for listener in _feed_listeners()):
+            return
+        await _recheck(None)
+
+
+def on_access_changed(*, user_ids):
+    """Subscriber of ``workers.accounts.ACCESS_CHANGED``: ask every process to re-check these users' feeds."""
+    send(CONTROL_PREFIX + CHANGES_CHANNEL, RECHECK, {"users": list(user_ids)})
 
 
 async def operator_changes_stream(request):
@@ -136,21 +282,31 @@ async def operator_changes_stream(request):
         response = error_response("method_not_allowed", "use GET", 405)
         response["Allow"] = "GET"
         return response
-    user_id, refusal = await _follower(request)
+    user_id, session_key, refusal = await _follower(request)
     if refusal:
         return error_response(*refusal)
     try:
         requested_resume(request)  # a malformed one is refused as on the worker stream
     except ValueError as exc:
         return error_response("invalid_last_event_id", str(exc), 400)
-    request.user = OperatorPrincipal(user_id)
+    principal = request.user = OperatorPrincipal(user_id, session_key)
     # The feed is unstored: there is nothing to resume, so a well-formed resume hint (and the library's own
     # parameters) is ignored.
-    event_request = event_request_for([CHANGES_CHANNEL], {}, request.user)
-    listener = Listener()
-    listener.user_id = request.user.pk
-    listener.channels = event_request.channels
-    response = StreamingHttpResponse(stream(event_request, listener), content_type="text/event-stream")
+    event_request = event_request_for([CHANGES_CHANNEL], {}, principal)
+    listener = FeedListener(principal, event_request.channels)
+
+    async def body():
+        rechecking = False
+        async for chunk in stream(event_request, listener):
+            if principal.revoked:  # the library's own error names the channel; say why instead
+                yield sse_encode_error("forbidden", principal.revoked_reason)
+                return
+            if not rechecking:  # the listener is registered once the library yields
+                rechecking = True
+                _recheck_periodically_here()
+            yield chunk
+
+    response = StreamingHttpResponse(body(), content_type="text/event-stream")
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"
     return response
