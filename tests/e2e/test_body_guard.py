@@ -14,6 +14,8 @@ from worker_agent import protocol
 
 from .harness import Orchestrator, create_database, drop_database
 
+pytestmark = pytest.mark.e2e
+
 SPOOL_MAX = 1536 * 1024  # 1.5 MiB: one API body of 1 MiB fits, two do not
 MiB = 1024 * 1024
 

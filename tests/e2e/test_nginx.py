@@ -17,6 +17,8 @@ from worker_agent import protocol
 
 from .harness import REPO_ROOT, free_port
 
+pytestmark = pytest.mark.e2e
+
 CONFIG = REPO_ROOT / "deploy" / "nginx" / "simpletuner.conf"
 MiB = 1024 * 1024
 
