@@ -447,18 +447,16 @@ def test_partitioned_worker_loses_its_job_and_is_refused_when_it_returns(server,
     assert not cut_off.has_line(f"Job {job_id} completed"), cut_off.describe()
     assert cut_off.running()
     # A late result for its old attempt (what it would have sent had its trainer finished while cut
-    # off) is refused and audited, and changes nothing.
+    # off) is refused and changes nothing. It is audited within the bound a worker's refusals have: the
+    # first refusal of a window writes its row (the returning heartbeat's, when that came first), later
+    # ones in the window are counted in the next window's row.
     old_attempt = job["attempts"][0]["lease_id"]
     before = len(server.audit(target_id=job_id, action="job.report_refused"))
     refusal = behind.report(job_id, "completed", status=409, attempt=old_attempt, exit_code=0)
     assert refusal["code"] == "job_not_owned", refusal
     refused = server.audit(target_id=job_id, action="job.report_refused")
-    assert len(refused) == before + 1
-    assert (refused[0]["actor_id"], refused[0]["success"], refused[0]["details"]["attempt"]) == (
-        behind.id,
-        False,
-        old_attempt,
-    )
+    assert max(before, 1) <= len(refused) <= before + 1
+    assert {(row["actor_id"], row["success"]) for row in refused} == {(behind.id, False)}
     job = server.job(job_id)
     assert (job["status"], job["worker_id"]) == ("completed", direct.id)
     assert attempts(job) == [(behind.id, "lost"), (direct.id, "completed")]
