@@ -1,6 +1,7 @@
 """The ASGI application: with the fast paths on, streams on the event loop without a thread each, plain heartbeats
 and plain worker streams below Django, every other request on a fixed pool of request threads (an artifact
-transfer on a pool of its own); with them off (``SIMPLETUNER_FAST_PATHS=off``), Django's own ASGI handler."""
+transfer on a pool of its own); with them off (``SIMPLETUNER_FAST_PATHS=off``), Django's own ASGI handler
+(``QuietASGIHandler``)."""
 
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,7 +28,23 @@ LOGIN_PATHS = ("/admin/login/", "/api-auth/login/")
 LOGIN_THREADS = 2
 
 
-class StreamASGIHandler(ASGIHandler):
+class QuietASGIHandler(ASGIHandler):
+    """Django's ASGI handler, ending quietly when a client disconnects after the handler stopped listening.
+
+    When the server shuts down it cancels each open request (an SSE stream never ends by itself); the
+    disconnect then arrives after ``handle`` stopped waiting, and Django's RequestAborted would be logged as
+    a "Task exception was never retrieved" traceback for every open stream. Not a fast path: the handler
+    of every request with the fast paths off too.
+    """
+
+    async def listen_for_disconnect(self, receive):
+        try:
+            return await super().listen_for_disconnect(receive)
+        except RequestAborted:
+            return None
+
+
+class StreamASGIHandler(QuietASGIHandler):
     """Django's ASGI handler, except that requests run without a ThreadSensitiveContext.
 
     Django gives every request its own executor thread for its sync parts; an endless SSE response
@@ -41,18 +58,6 @@ class StreamASGIHandler(ASGIHandler):
             await self.handle(scope, receive, send)
             return
         await super().__call__(scope, receive, send)
-
-    async def listen_for_disconnect(self, receive):
-        """End quietly when the client disconnects (Django raises RequestAborted, which it ignores).
-
-        When the server shuts down it cancels each open request (an SSE stream never ends by itself);
-        the disconnect then arrives after ``handle`` stopped waiting, and Django's RequestAborted would
-        be logged as a "Task exception was never retrieved" traceback for every open stream.
-        """
-        try:
-            return await super().listen_for_disconnect(receive)
-        except RequestAborted:
-            return None
 
 
 class PooledASGIHandler(StreamASGIHandler):
@@ -127,7 +132,7 @@ class FastPathsASGIHandler:
 
 def build_application(fast_paths=None):
     """Return the ASGI application: ``FastPathsASGIHandler`` when the fast paths are on (``settings.FAST_PATHS``
-    unless ``fast_paths`` says), Django's own ``ASGIHandler`` for every request when they are off."""
+    unless ``fast_paths`` says), Django's own ``ASGIHandler`` (quiet at shutdown) for every request when off."""
     if fast_paths is None:
         fast_paths = settings.FAST_PATHS
-    return FastPathsASGIHandler() if fast_paths else ASGIHandler()
+    return FastPathsASGIHandler() if fast_paths else QuietASGIHandler()

@@ -147,10 +147,12 @@ def test_artifact_transfers_run_on_their_own_threads_and_other_requests_on_the_r
 def test_with_the_fast_paths_off_every_request_goes_to_djangos_own_handler(settings):
     from django.core.handlers.asgi import ASGIHandler
 
-    from serving.asgi import FastPathsASGIHandler, build_application
+    from serving.asgi import FastPathsASGIHandler, QuietASGIHandler, build_application
 
     settings.FAST_PATHS = False
-    assert type(build_application()) is ASGIHandler
+    off = build_application()
+    assert type(off) is QuietASGIHandler and type(off).__mro__[1] is ASGIHandler
+    assert set(vars(QuietASGIHandler)) - {"__module__", "__doc__"} == {"listen_for_disconnect"}  # nothing else
     settings.FAST_PATHS = True
     assert type(build_application()) is FastPathsASGIHandler
 

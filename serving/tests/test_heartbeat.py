@@ -535,3 +535,27 @@ def test_one_rule_decides_a_heartbeat_that_changes_nothing_on_either_route(monke
     assert async_to_sync(_post)(app, {"status": "idle"}, token=worker_token(offline))[0] == 200
     assert recorded and not any(recorded)  # refused by the rule: the full path brought the worker back
     assert _reload(offline).status != WorkerStatus.OFFLINE
+
+
+def test_a_validate_added_to_the_heartbeat_serializer_holds_on_the_lean_path_too(full_path, monkeypatch):
+    """The lean path runs the serializer's own validation, ``validate`` included: a rule added there is not
+    skipped (the heartbeat goes to the full path, which refuses it the same way)."""
+    from rest_framework import serializers
+
+    from workers.api.serializers import HeartbeatSerializer
+
+    def no_cpu_over_100(self, attrs):
+        if attrs.get("cpu_percent", 0) > 100:
+            raise serializers.ValidationError({"cpu_percent": "at most 100"})
+        return attrs
+
+    monkeypatch.setattr(HeartbeatSerializer, "validate", no_cpu_over_100)
+    worker = _worker()
+    token = worker_token(worker)
+
+    assert post({"status": "idle", "cpu_percent": 50}, token=token)[0] == 200
+    assert full_path == []  # answered by the lean path
+    before = _reload(worker).last_heartbeat
+    status, _, body = post({"status": "idle", "cpu_percent": 150}, token=token)
+    assert (status, json.loads(body)["code"]) == (400, "invalid")  # HeartbeatView's answer, before any service
+    assert full_path == [] and _reload(worker).last_heartbeat == before  # nothing recorded by either path
