@@ -29,3 +29,16 @@ def require_postgres_url():
 
 def require_redis_url():
     return require_service("Redis", "REDIS_URL")
+
+
+def another_backend_waits_for_a_lock():
+    """On PostgreSQL, return True once another backend of this database waits for a lock (a row's, say)."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_stat_clear_snapshot()")  # the view is otherwise frozen per transaction
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
+        )
+        return cursor.fetchone()[0] > 0

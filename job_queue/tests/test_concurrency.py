@@ -20,6 +20,7 @@ from workers.models import Worker, WorkerStatus
 from job_queue.agents import worker_heartbeat
 from workers.tests.factories import WorkerFactory
 from workers.tests.support import audit_rows, sent_events
+from tests.services import another_backend_waits_for_a_lock
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
@@ -110,16 +111,6 @@ def test_concurrent_dispatch_with_more_workers_than_jobs(postgres_url):
     assert JobAttempt.objects.count() == len(jobs)
 
 
-def _blocked_on_a_lock():
-    """Return True once another backend of this database waits for a row lock."""
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_stat_clear_snapshot()")  # the view is otherwise frozen per transaction
-        cursor.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-            "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
-        )
-        return cursor.fetchone()[0] > 0
-
 
 def hold_worker_lock_until_another_waits(monkeypatch):
     """Patch the worker row lock so the calling thread, once registered, keeps it until another blocks.
@@ -136,7 +127,7 @@ def hold_worker_lock_until_another_waits(monkeypatch):
         if threading.current_thread() in holders:
             holding.set()
             deadline = time.monotonic() + DEADLINE_S
-            while not _blocked_on_a_lock():
+            while not another_backend_waits_for_a_lock():
                 assert time.monotonic() < deadline, "the status report never blocked"
                 time.sleep(0.005)
         return locked
@@ -220,7 +211,7 @@ def test_a_drain_racing_a_transaction_that_holds_the_workers_job_does_not_deadlo
             lock_job(job.pk)
             holds_job.set()
             deadline = time.monotonic() + DEADLINE_S
-            while not _blocked_on_a_lock():  # the drain waits for the job's row
+            while not another_backend_waits_for_a_lock():  # the drain waits for the job's row
                 assert time.monotonic() < deadline, "the drain never waited for the job's row"
                 time.sleep(0.005)
             audit_record(actor=operator, action="job.probe", target_type="job", target_id=job.pk)

@@ -18,6 +18,7 @@ from job_queue.models import Job
 from training_configs import services
 from training_configs.models import TrainingConfig
 from training_configs.services import config_create, config_edit
+from tests.services import another_backend_waits_for_a_lock
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
@@ -27,19 +28,10 @@ BEFORE = {"learning_rate": 0.0001, "max_train_steps": 100}
 AFTER = {"learning_rate": 0.5, "max_train_steps": 9}
 
 
-def _another_backend_waits_for_a_lock():
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_stat_clear_snapshot()")  # the view is otherwise frozen per transaction
-        cursor.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-            "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
-        )
-        return cursor.fetchone()[0] > 0
-
 
 def _hold_until_another_waits():
     deadline = time.monotonic() + DEADLINE_S
-    while not _another_backend_waits_for_a_lock():
+    while not another_backend_waits_for_a_lock():
         assert time.monotonic() < deadline, "the other side never waited for the config's row"
         time.sleep(0.005)
 
