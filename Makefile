@@ -6,7 +6,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8001
 PYTEST_ARGS ?=
 
-.PHONY: install install-dev run token test test-fast lint bench demo agent-wheel clean soak soak-short
+.PHONY: install install-dev run token test test-fast lint bench demo agent-wheel clean soak soak-short interop
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -67,15 +67,24 @@ bench: install
 	$(PY) bench/dispatch_cost.py
 	$(PY) bench/prepared_cost.py
 
+## The proof with SimpleTuner's own trainer (docs/testing.md): make_tiny.py's tiny SDXL LoRA trained on CPU through a
+## real orchestrator and real agents, its node killed mid-run and resumed elsewhere, on SQLite and (with DATABASE_URL
+## and REDIS_URL) on PostgreSQL + Redis. Needs SimpleTuner's venv (../shared/peer/build.sh; PEER_VENV moves it);
+## without it, says why and skips.
+interop: install-dev
+	@reason="$$($(PY) -m tests.e2e.interop)"; \
+	if [ -n "$$reason" ]; then echo "make interop: skipped: $$reason"; \
+	else SIMPLETUNER_INTEROP=1 $(PY) -m pytest -p no:cacheprovider -s tests/e2e/test_interop.py $(PYTEST_ARGS); fi
+
 ## Chaos soak (see docs/reliability.md): agents and the orchestrator killed while jobs run, then an audit of
 ## lost / twice-completed / inconsistent jobs. SEED=n replays a run's chaos plan; the default is random (printed).
 SEED ?= $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
 soak: install
-	$(PY) -m tests.soak.soak --seed $(SEED) --jobs 600 --agents 5 --trainer-seconds 1 6 --duration 600
+	$(PY) -m tests.soak.soak --seed $(SEED) --jobs 800 --agents 5 --packed-agents 2 --trainer-seconds 1 6 --duration 600
 
 ## The CI soak: under 2 minutes in all (start-up and drain included)
 soak-short: install
-	$(PY) -m tests.soak.soak --seed $(SEED) --jobs 60 --agents 4 --duration 60 --short
+	$(PY) -m tests.soak.soak --seed $(SEED) --jobs 120 --agents 4 --packed-agents 2 --duration 60 --short
 
 clean:
 	rm -rf $(VENV) var .pytest_cache

@@ -31,7 +31,8 @@ class Artifact(models.Model):
 
 
 class Checkpoint(models.Model):
-    """The files of one attempt under a ``checkpoint-<step>/`` segment; complete once the attempt spoke after them."""
+    """The files of one attempt under a ``checkpoint-<step>/`` segment; complete once the attempt spoke after them,
+    or, for one uploaded as declared (``protocol.CHECKPOINT_DECLARES_HEADER``), once the attempt declares it."""
 
     job_id = models.CharField(max_length=32)
     step = models.BigIntegerField()
@@ -39,6 +40,9 @@ class Checkpoint(models.Model):
     attempt_number = models.PositiveIntegerField()
     last_upload_at = models.DateTimeField()
     completed_at = models.DateTimeField(null=True, blank=True)
+    declared = models.BooleanField(
+        default=False, help_text="Complete only when its attempt declares it: its files were uploaded as a declared checkpoint."
+    )
 
     class Meta:
         ordering = ["job_id", "step"]

@@ -40,14 +40,15 @@ def upload_limit(*, job_id, key, declared=None):
     return max(min(max_bytes, room), 0)
 
 
-def artifact_record(*, job_id, lease_id, attempt_number, key, stored, actor, now=None):
+def artifact_record(*, job_id, lease_id, attempt_number, key, stored, actor, declares=False, now=None):
     """Record ``stored`` (a StoredFile) as ``key`` of ``job_id``, uploaded by attempt ``lease_id``; return
     ``(artifact, created)``. Call inside the caller's ``audited_atomic()``, which has fenced the attempt.
 
     A file the key named before is removed from storage once this commits. A key under a
     ``checkpoint-<step>/`` segment adds it to that checkpoint, which is complete once the attempt
-    speaks after it (``checkpoints_complete``). Raise TooLarge (``quota_exceeded``) if the job's
-    quota was spent by concurrent uploads meanwhile.
+    speaks after it (``checkpoints_complete``), or, when ``declares`` (the uploader said it declares the
+    checkpoint itself), only once declared (``checkpoint_declare_complete``). Raise TooLarge
+    (``quota_exceeded``) if the job's quota was spent by concurrent uploads meanwhile.
     """
     now = now or timezone.now()
     _max_bytes, quota = _limits()
@@ -78,7 +79,13 @@ def artifact_record(*, job_id, lease_id, attempt_number, key, stored, actor, now
         Checkpoint.objects.update_or_create(
             job_id=job_id,
             step=step,
-            defaults={"lease_id": lease_id, "attempt_number": attempt_number, "last_upload_at": now, "completed_at": None},
+            defaults={
+                "lease_id": lease_id,
+                "attempt_number": attempt_number,
+                "last_upload_at": now,
+                "completed_at": None,
+                "declared": declares,
+            },
         )
     audit_record(
         actor=actor,
@@ -91,10 +98,13 @@ def artifact_record(*, job_id, lease_id, attempt_number, key, stored, actor, now
 
 
 def checkpoints_complete(*, lease_id, actor, now=None):
-    """Mark complete the checkpoints attempt ``lease_id`` uploaded before ``now`` (it spoke after them); return
-    their steps. Set-based; call inside the transaction of the report or heartbeat that spoke."""
+    """Mark complete the checkpoints attempt ``lease_id`` uploaded before ``now`` (it spoke after them), but those
+    it declares itself; return their steps. Set-based; call inside the transaction of the report or heartbeat
+    that spoke."""
     now = now or timezone.now()
-    pending = Checkpoint.objects.filter(lease_id=lease_id, completed_at__isnull=True, last_upload_at__lt=now)
+    pending = Checkpoint.objects.filter(
+        lease_id=lease_id, completed_at__isnull=True, declared=False, last_upload_at__lt=now
+    )
     rows = list(pending.values_list("pk", "job_id", "step"))
     if not rows:
         return []

@@ -84,6 +84,13 @@ def storage_name(job_id, key):
     return f"outputs/{job_id}/{secrets.token_hex(6)}/{key}"
 
 
+def download_name(key):
+    """Return the file name a download of the artifact ``key`` is saved under: its whole key, folders joined
+    by ``_`` (``output/checkpoint-50/state.json`` -> ``output_checkpoint-50_state.json``), so the files of a
+    job's checkpoints, which share their base names, do not overwrite each other in one download folder."""
+    return "_".join(part for part in key.split("/") if part) or "artifact"
+
+
 def file_receive(*, job_id, key, stream, limit, expected_size=None):
     """Stream ``stream`` into the artifact storage as ``key`` of ``job_id``; return the StoredFile.
 

@@ -11,6 +11,7 @@ WORKER_LABELS_CHANGED = "worker.labels_changed"
 WORKER_DISCONNECTED = "worker.disconnected"
 WORKER_TOKEN_ROTATED = "worker.token_rotated"
 LOCAL_WORKER_PROVISIONED = "worker.local_provisioned"
+WORKER_AGENT_REPLACED = "worker.agent_replaced"  # another agent took the worker over (its token): the one before is told
 
 # Refused worker or operator tokens, bounded: per client address and window, the first refusal and
 # the one that crossed the rate (workers.throttling).
@@ -38,6 +39,18 @@ CHECKPOINT_COMPLETED = "checkpoint.completed"
 
 CONFIG_CREATED = "config.created"
 CONFIG_UPDATED = "config.updated"
+
+# Webhooks (their secret is never recorded, of their URL only the host).
+WEBHOOK_CREATED = "webhook.created"
+WEBHOOK_UPDATED = "webhook.updated"
+WEBHOOK_DELETED = "webhook.deleted"
+WEBHOOK_REDELIVERED = "webhook.redelivery_requested"
+
+# Teams and the limits on jobs (tenancy).
+TEAM_CREATED = "team.created"
+TEAM_MEMBERS_CHANGED = "team.members_changed"
+TEAM_DELETED = "team.deleted"
+LIMITS_CHANGED = "limits.changed"
 
 # Accounts (workers.accounts): users, groups and their permissions, however changed (admin, shell, commands).
 USER_CREATED = "user.created"

@@ -19,6 +19,21 @@ TARGET_PAGES = {"worker": "admin:workers_worker_change", "job": "admin:queue_job
 TARGET_TYPES = ("worker", "job", "user")
 
 
+def target_html(event):
+    """Return ``event``'s target as ``type:id``, linked to the target's admin page where it has one."""
+    if not event.target_id:
+        return event.target_type or "—"
+    label = f"{event.target_type}:{event.target_id}"
+    page = TARGET_PAGES.get(event.target_type)
+    if page is None:
+        return label
+    try:
+        url = reverse(page, args=[quote(event.target_id)])
+    except NoReverseMatch:
+        return label
+    return format_html('<a href="{}">{}</a>', url, label)
+
+
 def _choices_filter(field, title, values):
     """Return a list filter on ``field`` offering ``values`` as they are, without reading the table."""
 
@@ -64,17 +79,7 @@ class AuditEventAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
 
     @admin.display(description="Target", ordering="target_id")
     def target(self, event):
-        if not event.target_id:
-            return event.target_type or "—"
-        label = f"{event.target_type}:{event.target_id}"
-        page = TARGET_PAGES.get(event.target_type)
-        if page is None:
-            return label
-        try:
-            url = reverse(page, args=[quote(event.target_id)])
-        except NoReverseMatch:
-            return label
-        return format_html('<a href="{}">{}</a>', url, label)
+        return target_html(event)
 
     @admin.display(description="Details")
     def details_display(self, event):

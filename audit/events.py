@@ -1,8 +1,9 @@
 """What the audit log announces: the workers and jobs each committed transaction changed (``CHANGES``).
 
-Every state change is audited, so the audit writer is the one place that announces changes. A
-transaction's announcements leave as one ``CHANGES`` emission through ``common.outbox``; the
-operators' change feed (``realtime.operator_feed``) subscribes to it.
+Every state change is audited, so the audit writer is the one place that announces changes; what moves without
+an audit row (a job's progress and log, ``job_queue.reports.announce_progress``) is announced through the same
+``announce_changes_on_commit``. A transaction's announcements leave as one ``CHANGES`` emission through
+``common.outbox``; the operators' change feed (``realtime.operator_feed``) subscribes to it.
 """
 
 import threading

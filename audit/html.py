@@ -10,9 +10,11 @@ from django.utils.html import format_html, format_html_join
 from .models import AuditEvent
 
 
-def audit_trail_html(target_type, target_id, limit=50):
-    """Return the newest audit rows about one worker or job as an HTML table (with a link to all of them)."""
-    rows = list(AuditEvent.objects.filter(target_type=target_type, target_id=target_id)[:limit])
+def audit_trail_html(target_type, target_id, limit=5):
+    """Return the newest ``limit`` audit rows about one worker or job as an HTML table, with a link to the
+    audit list filtered to all of them (a job's page stays short however many rows it has)."""
+    about = AuditEvent.objects.filter(target_type=target_type, target_id=target_id)
+    rows = list(about[:limit])
     if not rows:
         return format_html('<span class="st-muted">{}</span>', "no audit rows")
     body = format_html_join(
@@ -29,12 +31,17 @@ def audit_trail_html(target_type, target_id, limit=50):
             for row in rows
         ),
     )
-    everything = reverse("admin:audit_auditevent_changelist") + "?" + urlencode({"q": target_id})
+    total = len(rows) if len(rows) < limit else about.count()
+    everything = reverse("admin:audit_auditevent_changelist") + "?" + urlencode({"q": target_id, "target_type": target_type})
+    shown = f"the newest {len(rows)} of {total}" if total > len(rows) else f"all {total}"
     return format_html(
         '<table class="st-audit"><thead><tr><th>When</th><th>Action</th><th>By</th><th>OK</th><th>Details</th>'
-        '</tr></thead><tbody>{}</tbody></table><p><a href="{}">All audit rows for {}</a></p>',
+        '</tr></thead><tbody>{}</tbody></table><p class="st-audit-more">Showing {}: '
+        '<a href="{}">all {} audit rows for {}</a></p>',
         body,
+        shown,
         everything,
+        total,
         target_id,
     )
 

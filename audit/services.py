@@ -13,6 +13,7 @@ from django.db.transaction import TransactionManagementError
 
 from common import outbox
 from common.remote import client_ip
+from common.scoped import bound
 
 from .events import announce_changes_on_commit
 from .models import ActorType, AuditEvent
@@ -124,12 +125,8 @@ def audit_batch():
     if _batch.get() is not None:
         yield
         return
-    batch = _Batch(depth)
-    token = _batch.set(batch)
-    try:
+    with bound(_batch, _Batch(depth)) as batch:
         yield
-    finally:
-        _batch.reset(token)
     if not transaction.get_rollback():
         outbox.stage_pending()  # what the transaction announces is written in it too
         _save(batch.events())

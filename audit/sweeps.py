@@ -20,15 +20,12 @@ scheduler without a broker) runs ``seal_chain`` every ``SEAL_INTERVAL`` seconds,
 of a process that stopped before its thread did.
 """
 
-import logging
-import threading
+from django.db import connection, transaction
 
-from django.db import close_old_connections, connection, transaction
+from common.background import WokenThread
 
 from .chain import GENESIS, HASHED_FIELDS, chain_key, link_hash
 from .models import HEAD_ID, AuditChainHead, AuditEvent
-
-logger = logging.getLogger(__name__)
 
 # Seconds between the scheduler's runs of seal_chain: a row whose commit woke no sealer (its process
 # stopped first) is sealed within this, which keeps the sealing lag's target (1 s).
@@ -96,58 +93,12 @@ def _lock_head():
     return head
 
 
-class Sealer:
-    """This process's sealer thread: started by the first ``wake()``, it runs ``seal_chain`` whenever woken,
-    then rests ``SEAL_PAUSE``. ``enabled`` False: ``wake()`` does nothing (the test suite seals by hand)."""
-
-    def __init__(self):
-        self.enabled = True
-        self._wake = threading.Event()
-        self._start_lock = threading.Lock()
-        self._thread = None
-        self._stop = None  # the running thread's own stop signal
-
-    def wake(self):
-        """Have the sealer thread run soon, starting it if this process has none (or it was stopped)."""
-        if not self.enabled:
-            return
-        self._wake.set()
-        if self._thread is None or not self._thread.is_alive():
-            with self._start_lock:
-                if self._thread is None or not self._thread.is_alive():
-                    self._stop = threading.Event()
-                    self._thread = threading.Thread(target=self._run, args=(self._stop,), name="audit-sealer", daemon=True)
-                    self._thread.start()
-
-    def stop(self, timeout=10):
-        """Stop the thread (after its pass, if it is in one) and wait up to ``timeout`` seconds for it."""
-        with self._start_lock:
-            thread, self._thread = self._thread, None
-            if thread is not None:
-                self._stop.set()
-                self._wake.set()
-        if thread is not None:
-            thread.join(timeout)
-
-    def _run(self, stop):
-        while True:
-            self._wake.wait()
-            if stop.is_set():
-                break
-            self._wake.clear()
-            close_old_connections()
-            try:
-                seal_chain()
-            except Exception:
-                logger.exception("audit sealing failed; the next commit or the scheduled run seals those rows")
-            finally:
-                close_old_connections()  # as after a request: a broken connection, or one past its age, goes
-            if stop.wait(SEAL_PAUSE):
-                break
-        connection.close()
-
-
-SEALER = Sealer()
+SEALER = WokenThread(
+    "audit-sealer",
+    seal_chain,
+    failed="audit sealing failed; the next commit or the scheduled run seals those rows",
+    pause=SEAL_PAUSE,
+)
 
 
 def seal_after_commit():

@@ -9,6 +9,8 @@ from drf_spectacular.extensions import OpenApiSerializerFieldExtension
 from rest_framework import serializers
 from rest_framework.validators import ProhibitSurrogateCharactersValidator
 
+from worker_agent import protocol
+
 from .inputs import (
     LABEL_KEY_MAX_CHARS,
     LABEL_KEY_RE,
@@ -168,13 +170,23 @@ class TrainerLog(serializers.JSONField):
 
 class TrainerLogLines(serializers.JSONField):
     """A run of a trainer's output lines, ``{"from": n, "lines": [...]}``: each line cleaned and cut to
-    ``line_chars``, at most ``max_lines`` kept. Never refused: a malformed run is ignored (None)."""
+    ``line_chars``, at most ``max_lines`` kept. Its keys are the agent's schema: another key is refused (400
+    naming it, as an unknown field is); a malformed run is ignored (None), never refused for what the trainer
+    wrote."""
+
+    KEYS = (protocol.LOG_LINES_FROM, "lines")
 
     def __init__(self, *, max_lines, line_chars, **kwargs):
         self.max_lines, self.line_chars = max_lines, line_chars
         super().__init__(**kwargs)
 
     def to_internal_value(self, data):
+        unknown = [key for key in data if key not in self.KEYS] if isinstance(data, dict) else None
+        if unknown:
+            shown = clean_text(str(unknown[0]))[:100]
+            raise serializers.ValidationError(
+                f"unknown key {shown!r}: a run of lines takes only {' and '.join(self.KEYS)}", code="unknown_field"
+            )
         start = data.get("from") if isinstance(data, dict) else None
         lines = data.get("lines") if isinstance(data, dict) else None
         if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < 2**31 or not isinstance(lines, list):
@@ -241,3 +253,22 @@ class BoundedJSONSchema(OpenApiSerializerFieldExtension):
 
     def map_serializer_field(self, auto_schema, direction):
         return self.target.openapi_schema()
+
+
+class TrainerLogLinesSchema(OpenApiSerializerFieldExtension):
+    """Declare the keys a TrainerLogLines takes (``from``, ``lines``; no other): the values are not declared, since a
+    malformed run is ignored, never refused."""
+
+    target_class = TrainerLogLines
+    match_subclasses = True
+
+    def map_serializer_field(self, auto_schema, direction):
+        run = {
+            "type": "object",
+            "properties": {
+                protocol.LOG_LINES_FROM: {"description": "The number of the run's first line (0: the attempt's first)."},
+                "lines": {"description": "The lines, in order (strings)."},
+            },
+            "additionalProperties": False,
+        }
+        return {"description": self.target.help_text or "", "anyOf": [run, {"not": {"type": "object"}}]}

@@ -31,15 +31,18 @@ from common.admin_kit import (
     status_badge,
 )
 from common.errors import ServiceError
+from tenancy.services import priority_check
 from training_configs.admin import ConfigSecretsAdminMixin
 from workers.admin import LabelPairsField
 
 from . import permissions, worker_admin  # noqa: F401 (worker_admin registers the Workers page)
 from .admin_artifacts import artifacts_html, attempt_steps_text
 from .admin_configs import stored_config_html
+from .charts import progress_bar_html
 from .api.serializers import JobSubmitSerializer
 from .log_admin import JobLogAdminMixin
 from .models import JOB_RETRYABLE, JOB_TERMINAL, Job, JobAttempt, JobStatus, JobTarget
+from .fairshare import queue_positions
 from .selectors import job_waiting_reason
 from .services import job_cancel, job_retry, job_submit
 
@@ -102,9 +105,16 @@ class JobAttemptInline(admin.TabularInline):
     model = JobAttempt
     extra = 0
     can_delete = False
-    fields = ["number", "worker_link", "dispatched_at", "started_at", "finished_at", "steps", "outcome", "error"]
+    fields = ["number", "worker_link", "gpus_display", "dispatched_at", "started_at", "finished_at", "steps", "outcome", "error"]
     readonly_fields = fields
     verbose_name_plural = "Attempts"
+
+    @admin.display(description="GPUs")
+    def gpus_display(self, attempt):
+        """The packing worker's GPUs the attempt ran on; the whole worker (its count) otherwise."""
+        if attempt.gpu_indices is not None:
+            return ",".join(map(str, attempt.gpu_indices))
+        return format_html('<span class="st-muted">{}</span>', f"whole worker ({attempt.gpus})")
 
     @admin.display(description="Steps (from → reached)")
     def steps(self, attempt):
@@ -124,40 +134,16 @@ class JobAttemptInline(admin.TabularInline):
         return admin_link(attempt.worker, attempt.worker_name) if attempt.worker_id else attempt.worker_name
 
 
-def _progress_bar(job):
-    progress = job.progress or {}
-    fraction = progress.get("fraction")
-    if job.status == JobStatus.COMPLETED:
-        fraction = 1.0
-    if not isinstance(fraction, (int, float)):
-        return format_html('<span class="st-muted">{}</span>', "—")
-    fraction = min(max(float(fraction), 0.0), 1.0)
-    parts = [f"{fraction:.0%}"]
-    if progress.get("step") is not None and progress.get("total_steps"):
-        parts.append(f"step {progress['step']}/{progress['total_steps']}")
-    if isinstance(progress.get("loss"), (int, float)):
-        parts.append(f"loss {progress['loss']:.4g}")
-    state = {JobStatus.COMPLETED: " st-progress-done", JobStatus.FAILED: " st-progress-failed"}.get(job.status, "")
-    return format_html(
-        '<span class="st-progress{}" role="progressbar" aria-valuenow="{}" aria-valuemin="0" aria-valuemax="100">'
-        '<span style="width: {}%"></span></span><span class="st-progress-text">{}</span>',
-        state,
-        round(fraction * 100),
-        round(fraction * 100, 1),
-        " · ".join(parts),
-    )
-
-
 @admin.register(Job)
 class JobAdmin(
     ConfigSecretsAdminMixin, JobLogAdminMixin, OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMixin, admin.ModelAdmin
 ):
-    list_display = ["id", "config_name", "status_display", "progress_bar", "worker_display", "attempts", "age", "target", "priority"]
+    list_display = ["id", "config_name", "status_display", "progress_bar", "worker_display", "attempts", "age", "priority", "team"]  # target: the filter
     live_fields = ("status_display", "progress_bar", "worker_display", "attempts")
     live_detail_fields = ("waiting", "log", "progress_chart")
-    list_filter = ["status", "target", "submitted_at"]
+    list_filter = ["status", "target", "submitted_at", "team"]
     search_fields = ["=id", "config_name", "worker_name"]
-    list_select_related = ["worker"]
+    list_select_related = ["worker", "team"]
     list_per_page = 100
     paginator = EstimatedCountPaginator
     show_full_result_count = False  # a filtered page does not count every job a second time
@@ -172,17 +158,17 @@ class JobAdmin(
     inlines = [JobAttemptInline]
     change_form_template = "admin/queue/job/change_form.html"
     fieldsets = [
-        ("Status", {"fields": ["id", "status_display", "waiting", "progress_bar", "progress_chart", "worker_display", "attempts", "last_error", "exit_code"]}),
+        ("Status", {"fields": ["id", "status_display", "queue_position", "waiting", "progress_bar", "progress_chart", "worker_display", "attempts", "last_error", "exit_code"]}),
         ("Log tail", {"fields": ["log", "full_log_link"]}),
         ("Artifacts", {"fields": ["artifacts_display"]}),
         ("Settings", {"fields": ["config_name", "stored_config", "config_display", "dataloader_display", "target", "labels", "gpu_count", "priority", "max_retries", "retry_on_failure", "retry_links"]}),
-        ("Timing", {"fields": ["submitted_at", "submitted_by", "dispatched_at", "started_at", "finished_at"]}),
+        ("Timing", {"fields": ["submitted_at", "submitted_by", "team", "dispatched_at", "started_at", "finished_at"]}),
         ("Audit trail", {"fields": ["audit_trail"]}),
     ]
     readonly_fields = [
-        "id", "status_display", "waiting", "progress_bar", "progress_chart", "worker_display", "attempts", "last_error", "exit_code", "log",
+        "id", "status_display", "queue_position", "waiting", "progress_bar", "progress_chart", "worker_display", "attempts", "last_error", "exit_code", "log",
         "full_log_link", "config_name", "config_display", "dataloader_display", "target", "labels", "gpu_count", "priority",
-        "max_retries", "retry_on_failure", "retry_links", "submitted_at", "submitted_by", "dispatched_at",
+        "max_retries", "retry_on_failure", "retry_links", "submitted_at", "submitted_by", "team", "dispatched_at",
         "started_at", "finished_at", "audit_trail", "artifacts_display", "stored_config", "config_revealed", "dataloader_revealed",
     ]  # fmt: skip
 
@@ -223,10 +209,13 @@ class JobAdmin(
 
     @admin.display(description="Progress")
     def progress_bar(self, job):
-        return _progress_bar(job)
+        return progress_bar_html(job)
 
     @admin.display(description="Worker", ordering="worker_name")
     def worker_display(self, job):
+        if job.worker_id and job.gpu_indices is not None:  # on a packing worker's GPUs
+            gpus = ",".join(map(str, job.gpu_indices))
+            return format_html('{} <span class="st-muted">GPUs {}</span>', admin_link(job.worker, job.worker.name), gpus)
         if job.worker_id:
             return admin_link(job.worker, job.worker.name)
         return job.worker_name or format_html('<span class="st-muted">{}</span>', "—")
@@ -239,6 +228,11 @@ class JobAdmin(
     @admin.display(description="Age", ordering="submitted_at")
     def age(self, job):
         return ago_html(job.submitted_at)
+
+    @admin.display(description="Place in the queue")
+    def queue_position(self, job):
+        """The job's place in the order the dispatcher offers queued jobs in (priority, fair share, age)."""
+        return (queue_positions([job.pk]).get(job.pk) if job.status == JobStatus.QUEUED else None) or "—"
 
     @admin.display(description="Why it waits")
     def waiting(self, job):
@@ -278,6 +272,7 @@ class JobAdmin(
         form = JobSubmitForm(request.POST or None, initial=initial)
         if request.method == "POST" and form.is_valid():
             try:
+                priority_check(user=request.user, priority=form.cleaned_data.get("priority"))
                 job, dispatched = job_submit(**form.cleaned_data, actor=Actor.for_request(request))
             except ServiceError as exc:
                 form.add_error(None, exc.detail)

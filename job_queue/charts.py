@@ -1,9 +1,62 @@
-"""The job page's progress chart: step and loss over time, as inline SVG (no script, no external asset)."""
+"""The job's progress as the jobs list and the job page show it: the bar (with the trainer's ETA and stage), and
+the chart of step and loss over time, as inline SVG (no script, no external asset)."""
 
 from django.utils.html import format_html
 from django.utils.safestring import mark_safe
 
+from worker_agent.progress import format_seconds, format_stage
+
+from .models import JOB_TERMINAL, JobStatus
+
 WIDTH, HEIGHT, PAD = 640, 180, 36
+
+
+def _number(value):
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _stage_html(progress):
+    """Return the trainer's stage ("Saving Checkpoint: running (2/6)", its message on hover) as a line under the bar, or ""."""
+    stage = progress.get("stage")
+    if not isinstance(stage, dict) or not (stage.get("label") or stage.get("key")):
+        return ""
+    text = format_stage({name: str(stage[name]) for name in ("key", "label", "status") if stage.get(name)})
+    current, total = _number(stage.get("current")), _number(stage.get("total"))
+    if current is not None and total:
+        text += f" ({current:g}/{total:g})"
+    message = stage.get("message") if isinstance(stage.get("message"), str) else ""
+    return format_html('<span class="st-progress-stage st-muted" style="display: block" title="{}">{}</span>', message, text)
+
+
+def progress_bar_html(job):
+    """Return ``job``'s progress as a bar with its percentage, step, loss, the trainer's ETA while it runs,
+    and its stage under it; a dash when nothing is known."""
+    progress = job.progress if isinstance(job.progress, dict) else {}
+    fraction = progress.get("fraction")
+    if job.status == JobStatus.COMPLETED:
+        fraction = 1.0
+    stage = _stage_html(progress)
+    if _number(fraction) is None:
+        return stage or format_html('<span class="st-muted">{}</span>', "—")
+    fraction = min(max(float(fraction), 0.0), 1.0)
+    parts = [f"{fraction:.0%}"]
+    if progress.get("step") is not None and progress.get("total_steps"):
+        parts.append(f"step {progress['step']}/{progress['total_steps']}")
+    if _number(progress.get("loss")) is not None:
+        parts.append(f"loss {progress['loss']:.4g}")
+    eta = _number(progress.get("eta_seconds"))
+    if eta is not None and eta >= 0 and job.status not in JOB_TERMINAL:
+        parts.append(f"ETA {format_seconds(eta)}")
+    state = {JobStatus.COMPLETED: " st-progress-done", JobStatus.FAILED: " st-progress-failed"}.get(job.status, "")
+    return format_html(
+        '<span class="st-progress{}" role="progressbar" aria-valuenow="{}" aria-valuemin="0" aria-valuemax="100">'
+        '<span style="width: {}%"></span></span><span class="st-progress-text">{}</span>{}',
+        state,
+        round(fraction * 100),
+        round(fraction * 100, 1),
+        " · ".join(parts),
+        stage,
+    )
 
 
 def progress_chart_html(samples):

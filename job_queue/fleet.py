@@ -11,20 +11,31 @@ from common.errors import Conflict
 from workers import services as worker_services
 from workers.models import WORKER_TRANSITIONS, Worker, WorkerStatus
 from workers.services import clean_worker_labels, lock_worker
-from workers.transitions import worker_resting_status, workers_transition
+from workers.transitions import workers_transition
 
-from .dispatch import dispatch_on_commit, redispatch_on_commit
+from .dispatch import dispatch_on_commit, redispatch_on_commit, worker_rest_and_offer
+from . import gangs, packing
 from .models import JOB_ACTIVE
 from .services import lock_job
-from .transitions import jobs_release
+from .transitions import jobs_give_back_gpus, jobs_release
 
 ROTATION = "token rotation"
 
 
 def running_job(worker):
-    """Return the active job the locked ``worker`` holds (locked), or None."""
+    """Return the active job the locked ``worker`` holds (locked), or None: on a packing worker, the first of them."""
+    jobs = running_jobs(worker)
+    return jobs[0] if jobs else None
+
+
+def running_jobs(worker):
+    """Return the active jobs the locked ``worker`` holds (locked): its current job, or a packing worker's jobs."""
+    if worker.packs:
+        return [job for job in packing.held_jobs(worker.pk, lock=True) if job.status in JOB_ACTIVE]
     job = lock_job(worker.current_job_id) if worker.current_job_id else None
-    return job if job is not None and job.status in JOB_ACTIVE and job.worker_id == worker.pk else None
+    if job is not None and gangs.is_gang(job):  # a member of a multi-node job's current attempt holds it too
+        return [job] if gangs.live_member(job, worker) is not None else []
+    return [job] if job is not None and job.status in JOB_ACTIVE and job.worker_id == worker.pk else []
 
 
 def rotation_warning(worker, job):
@@ -45,7 +56,8 @@ def worker_rotate_token(*, worker_id, actor, force=False, confirmed_job=None):
     """
     with audited_atomic():
         worker = lock_worker(worker_id)
-        job = running_job(worker)
+        jobs = running_jobs(worker)
+        job = jobs[0] if jobs else None
         if job is not None and (not force or confirmed_job not in (None, job.pk)):
             raise Conflict(
                 rotation_warning(worker, job) + "; send force=true to rotate anyway",
@@ -54,13 +66,17 @@ def worker_rotate_token(*, worker_id, actor, force=False, confirmed_job=None):
             )
         if job is not None:
             reason = f"the token of {worker.name} was rotated"
-            released = jobs_release(jobs=[job], actor=actor, reason=reason, interrupted_by=ROTATION)
+            gangs.attempt_lost(jobs=jobs, outcome=gangs.MEMBER_LOST, lost_workers=[worker.pk])  # the others stop
+            released = jobs_release(jobs=jobs, actor=actor, reason=reason, interrupted_by=ROTATION)
+            if worker.packs:  # every job it held gives its GPUs back (a cancelled one too)
+                jobs_give_back_gpus(worker_ids=[worker.pk])
             if worker.status in WORKER_TRANSITIONS[WorkerStatus.OFFLINE]:
                 workers_transition(
-                    workers=[worker], to=WorkerStatus.OFFLINE, actor=actor, reason=f"{reason} while it ran job {job.pk}", current_job=None
+                    workers=[worker], to=WorkerStatus.OFFLINE, actor=actor, reason=f"{reason} while it ran job {job.pk}",
+                    current_job=None, gpus_free=0,
                 )
             else:
-                Worker.objects.filter(pk=worker.pk).update(current_job=None)
+                Worker.objects.filter(pk=worker.pk).update(current_job=None, gpus_free=0)
             redispatch_on_commit(released)
         plaintext = worker_services.worker_rotate_token(worker_id=worker.pk, actor=actor)
     return plaintext, job.pk if job is not None else None
@@ -87,13 +103,8 @@ def worker_undrain(*, worker_id, actor):
         details = {"status": worker.status, "current_job": worker.current_job_id}
         _worker_write(worker, action=actions.WORKER_UNDRAINED, details=details, actor=actor, drain_requested_at=None)
         if worker.status == WorkerStatus.DRAINING:
-            workers_transition(
-                workers=[worker],
-                to=worker_resting_status(worker, busy=worker.current_job_id is not None),
-                actor=actor,
-                reason="put back in service",
-            )
-        if worker.status == WorkerStatus.IDLE:
+            worker_rest_and_offer(worker=worker, actor=actor, reason="put back in service")
+        elif worker.status == WorkerStatus.IDLE:
             dispatch_on_commit(worker_id=worker.pk)
     return worker
 

@@ -5,9 +5,12 @@ as one text that states what was cut or never arrived."""
 from django.conf import settings
 from django.utils import timezone
 
+from common.errors import NotFound
 from worker_agent import protocol
 
-from .models import JobAttempt
+from workers.models import Worker
+
+from .models import JOB_TERMINAL, JobAttempt
 
 
 def log_limit():
@@ -69,3 +72,28 @@ def job_full_log(job):
             parts.append(f"# [{attempt.log_missing_lines} line(s) never reached the orchestrator]\n")
         parts.append(attempt.log or "# (no output received)\n")
     return "".join(parts)
+
+
+def attempt_log_chunk(job, *, number, offset):
+    """Return attempt ``number`` of ``job``'s output from character ``offset`` on (counted from the attempt's first
+    character, those cut included), as ``{"job_id", "job_status", "attempts", "attempt", "outcome", "offset",
+    "next_offset", "skipped", "text"}``: ``skipped`` characters from ``offset`` on were cut before this read, and
+    ``next_offset`` is where the next read starts; ``stopping``: a worker still runs the job though it has ended (a
+    cancel not yet confirmed), so more of its output may come. Raise NotFound for an attempt the job lacks."""
+    attempt = job.attempts.filter(number=number).first()
+    if attempt is None:
+        raise NotFound(f"job {job.pk} has no attempt {number}")
+    start = max(offset, attempt.log_dropped_chars)
+    end = attempt.log_dropped_chars + len(attempt.log)
+    return {
+        "job_id": job.pk,
+        "job_status": job.status,
+        "attempts": job.attempt_count,
+        "attempt": attempt.number,
+        "outcome": attempt.outcome or None,
+        "offset": min(start, end),
+        "next_offset": max(end, offset),
+        "skipped": max(0, min(start, end) - offset),
+        "text": attempt.log[start - attempt.log_dropped_chars :] if start < end else "",
+        "stopping": job.status in JOB_TERMINAL and Worker.objects.filter(current_job_id=job.pk).exists(),
+    }

@@ -5,6 +5,7 @@ import secrets
 
 from django.conf import settings
 from django.db import models
+from django.db.models.functions import Coalesce
 
 from worker_agent import protocol
 from workers.models import WorkerType
@@ -90,6 +91,10 @@ class Job(models.Model):
     target = models.CharField(max_length=8, choices=JobTarget.choices, default=JobTarget.WORKER)
     worker_labels = models.JSONField(default=dict, blank=True, help_text="Label -> glob pattern, all must match.")
     gpu_count = models.PositiveIntegerField(default=0, help_text="GPUs required; 0 means any worker.")
+    # A multi-node job (job_queue.gangs): the workers it runs on at once, each giving it gpu_count GPUs; and the port
+    # its rank 0 listens on for the others, assigned at each dispatch (null while it is not dispatched as a gang).
+    num_nodes = models.PositiveIntegerField(default=1, help_text="Workers the job runs on at once (a gang when > 1).")
+    master_port = models.PositiveIntegerField(null=True, blank=True)
     priority = models.IntegerField(default=0, help_text="Higher runs first; ties run first-in first-out.")
     status = models.CharField(max_length=16, choices=JobStatus.choices, default=JobStatus.QUEUED, db_index=True)
 
@@ -105,6 +110,12 @@ class Job(models.Model):
         "workers.Worker", null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs"
     )
     worker_name = models.CharField(max_length=128, blank=True, default="", help_text="Kept after worker deletion.")
+    # The GPUs of its packing worker (``Worker.gpu_slots``) the job was placed on at its latest dispatch (kept once it
+    # ended; cleared when it goes back to the queue). Null on a worker that does not pack (the whole worker).
+    gpu_indices = models.JSONField(null=True, blank=True)
+    # Whether it holds those GPUs now: from its dispatch until it leaves the worker (ended, requeued, its cancel
+    # confirmed). A job holding them is one of its packing worker's jobs (job_queue.packing).
+    holds_gpus = models.BooleanField(default=False)
     progress = models.JSONField(default=dict, blank=True)
     last_error = models.TextField(blank=True, default="")
     exit_code = models.BigIntegerField(null=True, blank=True, help_text="As the agent reported it: up to 2**32-1 (Windows)")
@@ -116,6 +127,19 @@ class Job(models.Model):
     finished_at = models.DateTimeField(null=True, blank=True)
     submitted_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    team = models.ForeignKey(
+        "tenancy.Team", null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs",
+        help_text="The team the job is charged to (tenancy); empty for none.",
+    )
+    # The job's fair share (job_queue.fairshare): its team's, else its submitter's; kept by the database.
+    share = models.GeneratedField(
+        expression=models.Case(
+            models.When(team__isnull=False, then=models.F("team_id") * 2 + 1),
+            default=Coalesce(models.F("submitted_by_id"), 0) * 2,
+        ),
+        output_field=models.BigIntegerField(),
+        db_persist=True,
     )
     retry_of = models.ForeignKey(
         "self",
@@ -140,9 +164,17 @@ class Job(models.Model):
             # With the last key (id) in it too: SQLite, with statistics that show most jobs queued, scanned
             # and sorted a backlog of 10,000 for each dispatch (3.7 ms) rather than sort the ties on id.
             models.Index(fields=["status", "-priority", "submitted_at", "id"], name="job_dispatch_order"),
+            # Each share's queue in the same order: a freed worker reads the head of each share from it
+            # (job_queue.fairshare). Status leads, not a partial index: a bound status value matches no predicate.
+            models.Index(fields=["status", "share", "-priority", "submitted_at", "id"], name="job_share_order"),
             # Almost every job has no retry_of: a plain index holds one key for nearly all rows, and after
             # ANALYZE SQLite judged it useless and scanned the table for a job's retries (12 ms at 105,000 jobs).
             models.Index(fields=["retry_of"], name="job_retry_of", condition=models.Q(retry_of__isnull=False)),
+            # The few queued multi-node jobs, which a freed worker's offer never takes (job_queue.gangs).
+            models.Index(
+                fields=["-priority", "submitted_at", "id"], name="job_gang_queued",
+                condition=models.Q(status="queued", num_nodes__gt=1),
+            ),
         ]
 
     def __str__(self):
@@ -177,6 +209,13 @@ class JobAttempt(models.Model):
     finished_at = models.DateTimeField(null=True, blank=True)
     outcome = models.CharField(max_length=16, choices=AttemptOutcome.choices, blank=True, default="")
     error = models.TextField(blank=True, default="")
+    # The GPUs the attempt holds, charged from its acknowledgement (started_at) to its end (job_queue.usage):
+    # the job's gpu_count, else (any worker) its worker's GPU count at dispatch.
+    gpus = models.PositiveIntegerField(default=0)
+    # The worker's GPU indices the attempt ran on (a packing worker's; null: the whole worker).
+    gpu_indices = models.JSONField(null=True, blank=True)
+    # How far its GPU time has been charged to its share's fair-share usage (job_queue.fairshare); null: not yet.
+    charged_until = models.DateTimeField(null=True, blank=True)
     # The attempt's whole output (job_queue.logs): its last SIMPLETUNER_JOB_LOG_MAX_CHARS characters, how many
     # lines were received, how many characters were cut from its start, how many lines never arrived.
     log = models.TextField(blank=True, default="")
@@ -189,9 +228,63 @@ class JobAttempt(models.Model):
     class Meta:
         ordering = ["job", "number"]
         constraints = [models.UniqueConstraint(fields=["job", "number"], name="attempt_number_unique")]
+        # Usage (job_queue.usage) reads the attempts that ended in a window, or still run.
+        indexes = [
+            models.Index(fields=["finished_at"], name="attempt_finished_at"),
+            # The few attempts whose GPU time is not charged to fair share yet: running, or ended since the last charge.
+            models.Index(
+                fields=["started_at"],
+                name="attempt_uncharged",
+                condition=models.Q(started_at__isnull=False)
+                & (
+                    models.Q(finished_at__isnull=True)
+                    | models.Q(charged_until__isnull=True)
+                    | models.Q(charged_until__lt=models.F("finished_at"))
+                ),
+            ),
+        ]
 
     def __str__(self):
         return f"attempt {self.number} of {self.job_id}"
+
+
+class GangMember(models.Model):
+    """One worker's part in one dispatch (attempt) of a multi-node job: its rank and GPUs (job_queue.gangs).
+
+    Every member runs under the attempt's lease; reports and acknowledgements are fenced by (lease, worker)."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="members")
+    lease_id = models.CharField(max_length=40)
+    rank = models.PositiveIntegerField()
+    worker = models.ForeignKey("workers.Worker", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    worker_name = models.CharField(max_length=128, blank=True, default="")
+    gpu_indices = models.JSONField(null=True, blank=True)
+    acknowledged_at = models.DateTimeField(null=True, blank=True)
+    # "" while it runs; then completed, failed, cancelled or lost (what its worker said, or that it went silent).
+    outcome = models.CharField(max_length=16, blank=True, default="")
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["job", "lease_id", "rank"]
+        constraints = [models.UniqueConstraint(fields=["lease_id", "rank"], name="gang_member_rank_unique")]
+        indexes = [models.Index(fields=["worker", "lease_id"], name="gang_member_worker")]
+
+    def __str__(self):
+        return f"rank {self.rank} of {self.job_id} ({self.lease_id})"
+
+
+class FairShare(models.Model):
+    """A share of the fleet (a team, or a user's jobs without a team) and its decayed GPU usage (job_queue.fairshare).
+
+    ``usage_log`` is log2 of the sum of its GPU-seconds, each weighted by 2 ** ((when - FAIRSHARE_EPOCH) / half-life):
+    comparing it orders the shares by decayed usage at any instant. Null: nothing charged yet (least of all)."""
+
+    key = models.BigIntegerField(primary_key=True)  # Job.share
+    usage_log = models.FloatField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self):
+        return f"share {self.key}"
 
 
 def labels_match(patterns, labels):
@@ -207,5 +300,6 @@ def labels_match(patterns, labels):
 
 
 def job_fits_worker(job, worker):
-    """Return True if ``worker``'s capabilities satisfy ``job`` (GPU count and labels; not availability)."""
-    return worker.gpu_count >= job.gpu_count and labels_match(job.worker_labels, worker.labels)
+    """Return True if ``worker``'s capabilities satisfy ``job`` (GPU count and labels; not availability). A multi-node
+    job fits no single worker: it is placed as a gang (job_queue.gangs)."""
+    return job.num_nodes <= 1 and worker.gpu_count >= job.gpu_count and labels_match(job.worker_labels, worker.labels)

@@ -6,6 +6,7 @@ from django.utils import timezone
 
 from artifacts import services as artifact_services
 from audit import actions
+from audit.events import announce_changes_on_commit
 from audit.services import audit_record, audited_atomic
 from common.errors import InvalidInput, InvalidTransition, NotFound, StaleReport
 from worker_agent import protocol
@@ -14,7 +15,8 @@ from workers.models import Worker
 from workers.services import lock_workers
 from workers.throttling import worker_refused
 
-from .dispatch import redispatch_on_commit, workers_free_and_offer
+from . import gangs
+from .dispatch import redispatch_on_commit, worker_holds, worker_jobs_over
 from .models import JOB_ACTIVE, JOB_TERMINAL, REPORTED_STATUS, AttemptOutcome, Job, JobStatus
 from .services import lock_job
 from .logs import attempt_append_log
@@ -74,6 +76,16 @@ def job_record_progress(*, job_id, worker, data):
         updated = Job.objects.filter(pk=job_id, worker_id=worker.pk, status__in=JOB_ACTIVE).update(**fields)
         lease = Job.objects.filter(pk=job_id).values_list("lease_id", flat=True).first() if updated else None
         attempt_record_progress(lease_id=lease, progress=fields.get("progress"))
+        if updated:
+            announce_progress(job_id)
+
+
+def announce_progress(job_id):
+    """Name ``job_id`` on the operators' change feed once the transaction commits: its progress or log moved.
+
+    No audit row records progress, so this is the feed's only word of it (`simpletuner jobs watch` and the job's
+    admin page re-read the job on it)."""
+    announce_changes_on_commit([("job", job_id)])
 
 
 class _HolderNotLocked(Exception):
@@ -118,23 +130,28 @@ def _job_report(*, worker_id, job_id, data, actor, holder_id):
         job = lock_job(job_id)
         if job is None:
             raise NotFound(f"job {job_id} does not exist")
-        late = target == JobStatus.COMPLETED and recoverable_attempt(job=job, worker=worker, lease_id=lease)
+        # (A multi-node job's attempt is its gang's: one member's late word completes nothing.)
+        late = target == JobStatus.COMPLETED and job.num_nodes <= 1 and recoverable_attempt(job=job, worker=worker, lease_id=lease)
         if late:
             # The attempt was taken back (its worker went silent, or never acknowledged) but did finish:
             # keep the result rather than run the job again, and stop whatever runs it meanwhile.
             holder = workers.get(job.worker_id) if job.worker_id else None
             if job.status in JOB_ACTIVE and job.worker_id and holder is None:
                 raise _HolderNotLocked(job.worker_id)  # rolls back; locked in order on the next try
+            held = holder is not None and worker_holds(holder, job)
             superseded = jobs_recover_completion(
                 job=job, attempt=late, actor=actor, journal=bool(data.get("journal")), **_progress_fields(data)
             )
             if superseded and holder is not None:
                 worker_events.publish_on_commit(holder.pk, protocol.JOB_CANCEL, job_id=job.pk, attempt=superseded)
-                if holder.current_job_id == job.pk:
-                    workers_free_and_offer(workers=[holder], actor=actor, reason=f"job {job.pk} completed by an earlier attempt")
+                if held:
+                    reason = f"job {job.pk} completed by an earlier attempt"
+                    worker_jobs_over(worker=holder, job_ids=[job.pk], actor=actor, reason=reason)
             return {"job_id": job.pk, "status": job.status, "accepted": True}
         refusal = None
-        if job.worker_id != worker.pk:
+        if gangs.is_gang(job) and gangs.member_of(job, worker) is None:  # fenced per member of the current attempt
+            refusal = (protocol.JOB_NOT_OWNED, f"worker {worker.name} is no member of job {job.pk}'s current attempt; stop it")
+        elif not gangs.is_gang(job) and job.worker_id != worker.pk:
             refusal = (protocol.JOB_NOT_OWNED, f"job {job.pk} is not assigned to worker {worker.name}; stop it")
         elif lease and lease != job.lease_id:
             refusal = (protocol.STALE_ATTEMPT, f"attempt {lease} of job {job.pk} is no longer current; stop it")
@@ -145,6 +162,8 @@ def _job_report(*, worker_id, job_id, data, actor, holder_id):
             attempt_append_log(lease_id=job.lease_id, chunk=data.get("log_lines"))
             attempt_record_progress(lease_id=job.lease_id, progress=_normalise_progress(data.get("progress")))
             result = _apply_report(job=job, worker=worker, raw=raw, target=target, error=error, data=data, actor=actor)
+            if data.get("log_lines") or data.get("progress") is not None or job.status == JobStatus.CANCELLED:
+                announce_progress(job.pk)  # (a cancelled job's report: its worker has stopped it)
     if refusal:
         # Always the 409 (with a cancel, the job_cancel committed above); its audit row is bounded per worker.
         worker_refused(
@@ -178,19 +197,22 @@ def _apply_report(*, job, worker, raw, target, error, data, actor):
         attempt_spoke(job=job, data=data, actor=actor)
     fields = _progress_fields(data)
     said = f"{raw} ({protocol.FROM_JOURNAL})" if data.get("journal") else raw
-    owns_worker = worker.current_job_id == job.pk
+    owns_worker = worker_holds(worker, job)
 
     if job.status == JobStatus.CANCELLED:  # the agent confirms the process stopped
         if fields:
             Job.objects.filter(pk=job.pk).update(**fields)
         if owns_worker:
-            workers_free_and_offer(workers=[worker], actor=actor, reason=f"job {job.pk} stopped after cancel")
+            worker_jobs_over(worker=worker, job_ids=[job.pk], actor=actor, reason=f"job {job.pk} stopped after cancel")
         return {"job_id": job.pk, "status": job.status, "accepted": True}
 
     if job.status in JOB_TERMINAL:
         if job.status == target:
             return {"job_id": job.pk, "status": job.status, "accepted": True}
         raise InvalidTransition(f"job {job.pk} already {job.status}; {raw} refused")
+
+    if gangs.is_gang(job):
+        return _apply_member_report(job=job, worker=worker, raw=raw, target=target, error=error, fields=fields, actor=actor)
 
     now = timezone.now()
     if target == JobStatus.RUNNING:
@@ -237,5 +259,54 @@ def _apply_report(*, job, worker, raw, target, error, data, actor):
     if owns_worker:
         # A job put back on the queue goes to the best worker after the commit (least recently used first,
         # so rarely the one it just left); the worker is offered work then too, after that job is placed.
-        workers_free_and_offer(workers=[worker], actor=actor, reason=f"job {job.pk} {raw}", at_once=not requeued)
+        worker_jobs_over(worker=worker, job_ids=[job.pk], actor=actor, reason=f"job {job.pk} {raw}", at_once=not requeued)
     return {"job_id": job.pk, "status": job.status, "accepted": True}
+
+
+def _apply_member_report(*, job, worker, raw, target, error, fields, actor):
+    """Apply the report of ``worker``, a member of active multi-node ``job``'s current attempt (job_queue.gangs).
+
+    Running: its acknowledgement (the job runs once every member's is in). Completed: its part is done and its worker
+    free; the job completes with the last member. Failed, or stopped by its worker: the attempt is over for every
+    member (the others are told to stop) and the job is requeued as a whole, spending one retry (none when an
+    operator's drain stopped it), or fails once none is left. Rank 0's progress, log tail and exit code are the job's."""
+    accepted = {"job_id": job.pk, "status": job.status, "accepted": True}
+    member = gangs.live_member(job, worker)
+    if member is None:  # its part ended already (it says so again)
+        return accepted
+    now = timezone.now()
+    own = fields if member.rank == 0 else {}
+    if target == JobStatus.RUNNING:
+        if not gangs.acknowledge_by(worker=worker, jobs=[job], actor=actor, reason=f"{raw} (every member)", now=now, **own) and own:
+            Job.objects.filter(pk=job.pk).update(**own)
+        return {**accepted, "status": job.status}
+    reason = f"job {job.pk} {raw} (rank {member.rank})"
+    if target == JobStatus.COMPLETED:
+        if gangs.member_completed(job=job, worker=worker, now=now):
+            attempts_finish(lease_ids=[job.lease_id], outcome=AttemptOutcome.COMPLETED, now=now)
+            progress = own.pop("progress", None) or dict(job.progress or {})
+            progress["fraction"] = 1.0
+            jobs_transition(
+                jobs=[job], to=JobStatus.COMPLETED, actor=actor, reason=f"{raw}: every member", finished_at=now,
+                started_at=job.started_at or now, progress=progress, **own,
+            )
+        elif own:
+            Job.objects.filter(pk=job.pk).update(**own)
+        worker_jobs_over(worker=worker, job_ids=[job.pk], actor=actor, reason=reason)
+        return {**accepted, "status": job.status}
+    if own:
+        Job.objects.filter(pk=job.pk).update(**own)
+    if target == JobStatus.FAILED:
+        outcome, lost = AttemptOutcome.FAILED, gangs.MEMBER_FAILED
+        why = f"attempt {job.attempt_count} failed on {worker.name} (rank {member.rank}): {error or 'trainer failed'}"
+    else:
+        outcome, lost = AttemptOutcome.CANCELLED, gangs.MEMBER_CANCELLED
+        why = f"attempt {job.attempt_count} stopped by {worker.name} (rank {member.rank}): {error or 'stopped by the worker'}"
+    gangs.attempt_lost(jobs=[job], outcome=lost, lost_workers=[worker.pk], now=now)
+    released = jobs_release(
+        jobs=[job], actor=actor, reason=why, outcome=outcome, acknowledged=True, now=now,
+        interrupted_by=operator_interruption(worker) if outcome == AttemptOutcome.CANCELLED else None,
+    )
+    redispatch_on_commit(released)
+    worker_jobs_over(worker=worker, job_ids=[job.pk], actor=actor, reason=reason, at_once=not released.requeued)
+    return {**accepted, "status": job.status}

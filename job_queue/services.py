@@ -1,6 +1,7 @@
 """Operators' writes to jobs: submit, cancel, retry. Each is one transaction with its audit rows."""
 
 from django.conf import settings
+from django.db import IntegrityError
 from django.utils import timezone
 
 from audit import actions
@@ -8,14 +9,19 @@ from audit.services import audit_record, audited_atomic
 from common.errors import Conflict, InvalidInput, NotFound
 from common.inputs import GPU_COUNT_MAX, clean_labels
 from common.prepared import PreparedQuery
+from tenancy.models import Team
+from tenancy.selectors import submitter
+from tenancy.services import team_for_submit
 from training_configs.services import config_for_submit, config_mark_used
 from worker_agent import protocol
 from workers import events as worker_events
 from workers.models import Worker
 
+from . import gangs
 from .dispatch import dispatch_locked_job
-from .models import JOB_ACTIVE, JOB_RETRYABLE, JOB_TERMINAL, AttemptOutcome, Job, JobStatus, JobTarget
+from .models import JOB_ACTIVE, JOB_RETRYABLE, JOB_TERMINAL, TARGET_WORKER_TYPES, AttemptOutcome, Job, JobStatus, JobTarget
 from .transitions import attempts_finish, jobs_transition
+from .usage import quota_check
 
 
 # At most one row (by primary key): no ORDER BY. Every report, acknowledgement and operator action on a job
@@ -48,6 +54,24 @@ def required_gpus(*, gpu_count, config):
     return 0
 
 
+def checked_num_nodes(num_nodes, *, target):
+    """Return a job's ``num_nodes``: a whole number from 1 to the number of workers that may run a job of ``target``
+    (the fleet's size); raise InvalidInput (``invalid_num_nodes``)."""
+    if num_nodes is None:
+        return 1
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+        raise InvalidInput(f"num_nodes must be a whole number from 1, got {num_nodes!r}"[:300], code="invalid_num_nodes")
+    if num_nodes > 1:
+        fleet = Worker.objects.filter(worker_type__in=TARGET_WORKER_TYPES[target]).count()
+        if num_nodes > fleet:
+            raise InvalidInput(
+                f"num_nodes must be from 1 to the fleet's size, {fleet} (the workers that may run a job of target "
+                f"{target}), got {num_nodes}",
+                code="invalid_num_nodes",
+            )
+    return num_nodes
+
+
 def clean_worker_labels(worker_labels):
     """Return a job's label selectors (name -> glob) by the label rules; raise InvalidInput (``invalid_labels``)."""
     try:
@@ -65,32 +89,54 @@ def job_submit(
     target=JobTarget.WORKER,
     worker_labels=None,
     gpu_count=None,
+    num_nodes=1,
     priority=0,
     max_retries=None,
     retry_on_failure=False,
+    team=None,
 ):
     """Queue a job and try to dispatch it at once, in one transaction; return ``(job, dispatched)``.
 
     ``config_name`` may name a stored config (``name`` or ``name@version``): the job runs that version,
     with the inline ``config``'s keys over its own (``training_configs.services.config_for_submit``).
+    ``team`` names the team it is charged to (``tenancy.services.team_for_submit``: by default the
+    submitter's one team).
     """
-    with audited_atomic():
-        config_name, config, dataloader, stored = config_for_submit(config_name=config_name, config=config, dataloader=dataloader)
-        config_mark_used(stored)
-        job = _job_create(
-            config_name=config_name,
-            training_config=stored,
-            actor=actor,
-            config=config,
-            dataloader=dataloader,
-            target=target,
-            worker_labels=worker_labels,
-            gpu_count=gpu_count,
-            priority=priority,
-            max_retries=max_retries,
-            retry_on_failure=retry_on_failure,
-        )
-        return job, _dispatch_now(job)
+    charged = _charged_team(actor=actor, team=team)
+    try:
+        with audited_atomic():
+            config_name, config, dataloader, stored = config_for_submit(config_name=config_name, config=config, dataloader=dataloader)
+            config_mark_used(stored)
+            job = _job_create(
+                config_name=config_name,
+                training_config=stored,
+                actor=actor,
+                config=config,
+                dataloader=dataloader,
+                target=target,
+                worker_labels=worker_labels,
+                gpu_count=gpu_count,
+                num_nodes=num_nodes,
+                priority=priority,
+                max_retries=max_retries,
+                retry_on_failure=retry_on_failure,
+                team=charged,
+            )
+            return job, _dispatch_now(job)
+    except IntegrityError:
+        # The team was deleted after it was read (its key is checked at the commit): nothing was made.
+        if charged is not None and not Team.objects.filter(pk=charged.pk).exists():
+            raise NotFound(f"team {charged.name} was deleted meanwhile; nothing was submitted") from None
+        raise
+
+
+def _charged_team(*, actor, team):
+    """Return the team a job of ``actor`` is charged to (None: none); raise unless they may submit it (their teams,
+    their GPU-hour quotas: ``tenancy``, ``job_queue.usage``). One query, a second only when a GPU-hour quota applies."""
+    who = submitter(actor.user_id)
+    name = team_for_submit(submitter=who, team_name=team)
+    quota_check(submitter=who, user_id=actor.user_id, team_name=name)
+    return Team(pk=who.teams[name][0], name=name) if name is not None else None
 
 
 def _dispatch_now(job):
@@ -110,8 +156,10 @@ def _job_create(
     priority,
     max_retries,
     retry_on_failure,
+    num_nodes=1,
     retry_of=None,
     training_config=None,
+    team=None,
 ):
     """Create a queued job with its audit row, in the caller's transaction."""
     config = config or {}
@@ -124,10 +172,12 @@ def _job_create(
         target=target,
         worker_labels=clean_worker_labels(worker_labels),
         gpu_count=required_gpus(gpu_count=gpu_count, config=config),
+        num_nodes=checked_num_nodes(num_nodes, target=target),
         priority=priority,
         max_retries=settings.SIMPLETUNER["JOB_MAX_RETRIES"] if max_retries is None else max_retries,
         retry_on_failure=retry_on_failure,
         submitted_by_id=actor.user_id,
+        team=team,
     )
     audit_record(
         actor=actor,
@@ -140,8 +190,10 @@ def _job_create(
             "target": target,
             "worker_labels": job.worker_labels,
             "gpu_count": job.gpu_count,
+            **({"num_nodes": job.num_nodes} if job.num_nodes > 1 else {}),
             "priority": priority,
             "max_retries": job.max_retries,
+            "team": team.name if team else None,
             **({"retry_of": retry_of.pk} if retry_of else {}),
         },
     )
@@ -169,7 +221,9 @@ def job_cancel(*, job_id, actor):
         )
         attempts_finish(lease_ids=[job.lease_id], outcome=AttemptOutcome.CANCELLED, error="cancelled by operator")
         jobs_transition(jobs=[job], to=JobStatus.CANCELLED, actor=actor, reason="cancelled", finished_at=timezone.now())
-        if was in JOB_ACTIVE and job.worker_id:
+        if was in JOB_ACTIVE and job.num_nodes > 1:
+            gangs.cancel_members(job)  # each member's worker stays busy until its agent reports it stopped
+        elif was in JOB_ACTIVE and job.worker_id:
             # The worker stays busy with it until the agent reports the process has stopped.
             worker_events.publish_on_commit(job.worker_id, protocol.JOB_CANCEL, job_id=job.pk, attempt=job.lease_id)
     return job
@@ -192,6 +246,8 @@ def job_retry(*, job_id, actor):
                 code="job_not_retryable",
             )
         stopping_on = Worker.objects.filter(current_job_id=original.pk).values_list("name", flat=True).first()
+        if stopping_on is None and original.holds_gpus:  # still on its packing worker's GPUs
+            stopping_on = original.worker_name
         if stopping_on is not None:
             raise Conflict(
                 f"job {original.pk} is still stopping on worker {stopping_on}; retry it once it has stopped",
@@ -211,10 +267,12 @@ def job_retry(*, job_id, actor):
             target=original.target,
             worker_labels=original.worker_labels,
             gpu_count=original.gpu_count,
+            num_nodes=original.num_nodes,
             priority=original.priority,
             max_retries=original.max_retries,
             retry_on_failure=original.retry_on_failure,
             retry_of=original,
+            team=original.team,
             actor=actor,
         )
         audit_record(

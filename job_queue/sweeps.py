@@ -12,6 +12,7 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from audit.services import Actor, audited_atomic
@@ -19,17 +20,21 @@ from workers.models import WORKER_TRANSITIONS, Worker, WorkerStatus
 from workers.selectors import servers_heard_silence, servers_silent_reason
 from workers.transitions import workers_free, workers_transition
 
-from .dispatch import dispatch_pending
+from . import fairshare, gangs
+from .dispatch import dispatch_pending, packing_workers_recount
 from .models import JOB_ACTIVE, Job, JobStatus
-from .transitions import jobs_release, operator_interruption
+from .transitions import jobs_give_back_gpus, jobs_release, operator_interruption
 
 logger = logging.getLogger(__name__)
 
 HEALTH = Actor.system("health-sweep")
 ACK_SWEEP = Actor.system("dispatch-ack-sweep")
 # What the transitions read of a job and a worker: the sweeps load no more.
-JOB_FIELDS = ("pk", "status", "worker_id", "lease_id", "attempt_count", "retry_count", "max_retries")
-WORKER_FIELDS = ("pk", "name", "status", "drain_requested_at", "current_job_id")
+JOB_FIELDS = ("pk", "status", "worker_id", "lease_id", "attempt_count", "retry_count", "max_retries", "num_nodes")
+WORKER_FIELDS = (
+    "pk", "name", "status", "drain_requested_at", "current_job_id", "worker_type", "max_jobs", "gpu_slots", "gpus_free",
+    "gang_rank",
+)
 
 
 def sweep_stale_workers(*, now=None, actor=HEALTH):
@@ -61,12 +66,19 @@ def sweep_stale_workers(*, now=None, actor=HEALTH):
             _hold_back("health sweep: no worker taken offline: %s (their heartbeats had nowhere to go)", now, timeout)
             return nothing
         worker_ids = [w.pk for w in stale]
+        # Their jobs: each one they hold (a multi-node job's members hold it too, whatever their rank).
+        members = [w.current_job_id for w in stale if w.current_job_id and w.gang_rank]  # ranks 1 and up
+        held = Q(worker_id__in=worker_ids) | Q(pk__in=members) if members else Q(worker_id__in=worker_ids)
         jobs = list(
             Job.objects.select_for_update(skip_locked=True)
-            .filter(worker_id__in=worker_ids, status__in=JOB_ACTIVE)
+            .filter(held, status__in=JOB_ACTIVE)
             .order_by()
             .only(*JOB_FIELDS)
         )
+        # A multi-node job is lost only with a live member of its current attempt (its rank 0 may have completed its
+        # part and left its worker meanwhile): one read of those members.
+        live = gangs.live_leases(jobs, worker_ids)
+        jobs = [j for j in jobs if not gangs.is_gang(j) or j.lease_id in live]
         # A worker whose job another transaction holds right now (a cancel, the ack sweep) waits for the
         # next run: taking it offline now would clear its current job and leave that job orphaned.
         held_elsewhere = set(
@@ -79,9 +91,16 @@ def sweep_stale_workers(*, now=None, actor=HEALTH):
         if not stale:
             return nothing
         drained = {w.pk: operator_interruption(w) for w in stale}
-        workers_transition(workers=stale, to=WorkerStatus.OFFLINE, actor=actor, reason=reason, current_job=None, now=now)
+        gang_drained = {j.pk: next((drained[w] for w in live.get(j.lease_id, ()) if drained.get(w)), None) for j in jobs}
+        workers_transition(
+            workers=stale, to=WorkerStatus.OFFLINE, actor=actor, reason=reason, current_job=None, gpus_free=0, now=now
+        )
+        packers = [w.pk for w in stale if w.packs]
+        if packers:  # a cancelled job they held (not released below) gives its GPUs back too: one statement
+            jobs_give_back_gpus(worker_ids=packers)
+        gangs.attempt_lost(jobs=jobs, outcome=gangs.MEMBER_LOST, lost_workers=worker_ids, now=now)
         released = jobs_release(
-            interrupted_by=lambda j: drained.get(j.worker_id),
+            interrupted_by=lambda j: gang_drained[j.pk] if gangs.is_gang(j) else drained.get(j.worker_id),
             jobs=jobs,
             actor=actor,
             reason=lambda j: (
@@ -139,12 +158,24 @@ def sweep_unacknowledged_dispatches(*, now=None, actor=ACK_SWEEP):
         jobs = [j for j in jobs if j.worker_id is None or j.worker_id in workers]
         if not jobs:
             return nothing
-        holders = [workers[j.worker_id] for j in jobs if j.worker_id and workers[j.worker_id].current_job_id == j.pk]
+        # A multi-node job's members stay busy until each agent says it runs the job no more (job_queue.gangs).
+        holders = [
+            workers[j.worker_id] for j in jobs
+            if j.worker_id and workers[j.worker_id].current_job_id == j.pk and not gangs.is_gang(j)
+        ]
+        packed = {}  # packing worker -> its jobs requeued here (they hold no current_job)
+        for job in jobs:
+            if job.worker_id and workers[job.worker_id].packs:
+                packed.setdefault(workers[job.worker_id], []).append(job.pk)
         why = {w.pk: f"job {w.current_job_id} {reason}" for w in holders}
+        gangs.attempt_lost(jobs=jobs, outcome=gangs.MEMBER_LOST, now=now)
         jobs_release(jobs=jobs, actor=actor, reason=reason, now=now)
         workers_free(workers=holders, actor=actor, reason=lambda w: why[w.pk], now=now)
+        if packed:  # they recount their free GPUs from the jobs they still hold; dispatch_pending offers them work
+            why_packed = {w.pk: f"{len(ids)} job(s) {reason}" for w, ids in packed.items()}
+            packing_workers_recount(workers=list(packed), job_ids=(), actor=actor, reason=lambda w: why_packed[w.pk], now=now)
         transaction.on_commit(dispatch_pending, robust=True)
-    result = {"jobs": len(jobs), "workers_freed": len(holders)}
+    result = {"jobs": len(jobs), "workers_freed": len(holders) + len(packed)}
     logger.info("dispatch-ack sweep: %(jobs)d job(s) requeued, %(workers_freed)d worker(s) freed", result)
     return result
 
@@ -152,3 +183,9 @@ def sweep_unacknowledged_dispatches(*, now=None, actor=ACK_SWEEP):
 def _hold_back(message, now, timeout):
     """Log ``message`` with the reason why the workers' silence proves nothing yet (the sweep leaves its rows)."""
     logger.warning(message, servers_silent_reason(now=now, timeout=timeout) or "no server was up long enough")
+
+
+def sweep_fairshare_charge():
+    """Charge each share the GPU time its attempts held since the last charge (``job_queue.fairshare``); return how
+    many attempts were charged."""
+    return fairshare.fairshare_charge()

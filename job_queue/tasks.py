@@ -18,3 +18,8 @@ def sweep_stale_workers():
 @shared_task(name="queue.sweep_unacknowledged_dispatches", ignore_result=True)
 def sweep_unacknowledged_dispatches():
     return sweeps.sweep_unacknowledged_dispatches()
+
+
+@shared_task(name="queue.sweep_fairshare_charge", ignore_result=True)
+def sweep_fairshare_charge():
+    return sweeps.sweep_fairshare_charge()

@@ -23,7 +23,7 @@ from . import events
 from .models import JOB_ACTIVE, JOB_TERMINAL, JOB_TRANSITIONS, AttemptOutcome, Job, JobAttempt, JobStatus
 
 # What a job that goes back to the queue forgets of its lost attempt.
-BACK_TO_QUEUE = {"worker": None, "lease_id": None, "dispatched_at": None, "started_at": None}
+BACK_TO_QUEUE = {"worker": None, "lease_id": None, "dispatched_at": None, "started_at": None, "gpu_indices": None, "holds_gpus": False}
 
 
 def jobs_transition(*, jobs, to, actor, reason="", **fields):
@@ -63,9 +63,11 @@ def _jobs_move(moves, *, actor):
     if updated != len(changes):
         what = f"job {next(iter(changes))}" if len(changes) == 1 else f"{len(changes) - updated} job(s)"
         raise InvalidTransition(f"{what} changed status concurrently; the move is refused")
+    changed = []
     for move in moves:
         rows = []
         for job in move.jobs:
+            changed.append((job.pk, job.status, move.to))
             details = {
                 "from": job.status,
                 "to": move.to,
@@ -79,13 +81,16 @@ def _jobs_move(moves, *, actor):
                 setattr(job, name, value)
             job.status = move.to
         audit += audit_events(actor=actor, action=actions.JOB_STATUS_CHANGED, target_type="job", rows=rows)
+    outbox.emit_on_commit(events.STATUS_CHANGED, changes=changed, at=timezone.now())
     return audit
 
 
-def attempt_open(*, job, worker, lease_id, number, now):
-    """Record a new attempt of ``job`` on ``worker`` (outcome pending)."""
+def attempt_open(*, job, worker, lease_id, number, now, gpu_indices=None):
+    """Record a new attempt of ``job`` on ``worker`` (outcome pending), on ``gpu_indices`` of a packing worker."""
     return JobAttempt.objects.create(
-        job=job, number=number, lease_id=lease_id, worker=worker, worker_name=worker.name, dispatched_at=now
+        job=job, number=number, lease_id=lease_id, worker=worker, worker_name=worker.name, dispatched_at=now,
+        gpus=job.gpu_count or worker.gpu_count,  # what its usage is charged for (job_queue.usage)
+        gpu_indices=gpu_indices,
     )
 
 
@@ -125,6 +130,18 @@ def _attempts_end(ends, *, now=None):
 
 # Outcomes of an attempt taken back without its worker's word; a late completion of one is still good.
 RECOVERABLE_OUTCOMES = (AttemptOutcome.LOST, AttemptOutcome.UNACKNOWLEDGED, AttemptOutcome.INTERRUPTED)
+
+
+def jobs_give_back_gpus(*, job_ids=None, worker_ids=None):
+    """The jobs ``job_ids`` (those of them on ``worker_ids``, when both are given), or every job of the packing
+    workers ``worker_ids``, hold their GPUs no more (``Job.holds_gpus``; ``gpu_indices`` stays, the record of where
+    they ran): one UPDATE. The caller recounts the workers' ``gpus_free``."""
+    jobs = Job.objects.filter(holds_gpus=True)
+    if job_ids is not None:
+        jobs = jobs.filter(pk__in=list(job_ids))
+    if worker_ids is not None:
+        jobs = jobs.filter(worker_id__in=list(worker_ids))
+    jobs.update(holds_gpus=False)
 
 
 def recoverable_attempt(*, job, worker, lease_id):
@@ -184,6 +201,8 @@ def jobs_recover_completion(*, job, attempt, actor, journal=False, now=None, **f
         progress=progress,
         last_error="",
         retry_count=job.retry_count - refund,
+        gpu_indices=attempt.gpu_indices,  # where that attempt ran; it holds no GPU now
+        holds_gpus=False,
         **fields,
     )
     audit_write(
@@ -275,7 +294,7 @@ def jobs_release(
         [
             *_moves(unacked + interrupted, JobStatus.QUEUED, why, BACK_TO_QUEUE),
             *_moves(retry, JobStatus.QUEUED, why, spend),
-            *_moves(exhausted, JobStatus.FAILED, final, {"finished_at": now}),
+            *_moves(exhausted, JobStatus.FAILED, final, {"finished_at": now, "holds_gpus": False}),
         ],
         actor=actor,
     )

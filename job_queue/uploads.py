@@ -48,9 +48,10 @@ def upload_actor(attempt, ip=None):
     return Actor(ActorType.WORKER, attempt.worker_id or "", attempt.worker_name, ip)
 
 
-def attempt_upload(*, token, bucket, key, stream, declared_length, ip=None):
+def attempt_upload(*, token, bucket, key, stream, declared_length, declares=False, ip=None):
     """Store the body ``stream`` as ``bucket/key`` in the namespace of the job ``token``'s attempt holds;
-    return ``(artifact, created)``.
+    return ``(artifact, created)``. ``declares``: the file belongs to a checkpoint the attempt declares
+    complete itself (``protocol.CHECKPOINT_DECLARES_HEADER``).
 
     Raise NotAuthenticated (401), StaleReport (409: the attempt no longer holds the job, before or
     after the body arrived; nothing is kept then), InvalidInput (400 ``invalid_key``, or
@@ -82,6 +83,7 @@ def attempt_upload(*, token, bucket, key, stream, declared_length, ip=None):
                 attempt_number=attempt.number,
                 key=full_key,
                 stored=stored,
+                declares=declares,
                 actor=upload_actor(attempt, ip),
             )
     except BaseException:

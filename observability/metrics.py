@@ -23,7 +23,7 @@ from django.db.models.functions import Coalesce
 from django.http import HttpResponse
 from django.utils import timezone
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, multiprocess
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 from rest_framework import permissions
@@ -36,6 +36,7 @@ from audit.selectors import audit_unsealed
 from common import outbox
 from job_queue import events
 from job_queue.models import Job, JobAttempt, JobStatus
+from job_queue.usage import usage_totals
 from workers.models import WORKER_ONLINE, Worker, WorkerStatus, WorkerType
 from workers.services import heartbeat_interval
 
@@ -119,7 +120,7 @@ def subscribe():
 
 
 class DatabaseCollector(Collector):
-    """Fleet, queue and audit-sealing state from four aggregate queries, whatever the number of workers and jobs."""
+    """Fleet, queue, GPU usage and audit-sealing state from five aggregate queries, whatever the number of workers and jobs."""
 
     def describe(self):
         """Return the (empty) families, so that registering the collector reads nothing."""
@@ -151,6 +152,12 @@ class DatabaseCollector(Collector):
             ),
             "audit_unsealed": GaugeMetricFamily(
                 "simpletuner_audit_unsealed_rows", "Audit rows committed but not sealed into the audit chain yet."
+            ),
+            "gpu_seconds": CounterMetricFamily(
+                "simpletuner_gpu_seconds",
+                "GPU-seconds charged to jobs (each attempt's GPUs from its acknowledgement to its end; running ones up "
+                "to now), by team and submitting user (empty: none).",
+                labels=["team", "user"],
             ),
             "audit_unsealed_age": GaugeMetricFamily(
                 "simpletuner_audit_unsealed_oldest_age_seconds",
@@ -206,6 +213,9 @@ class DatabaseCollector(Collector):
             .aggregate(since=Min(Coalesce(Subquery(last_attempt_end), "submitted_at")))["since"]
         )
         families["oldest_queued"].add_metric([], _seconds_between(oldest, now) if oldest else 0.0)
+
+        for (team, user), seconds in sorted(usage_totals(now=now).items()):
+            families["gpu_seconds"].add_metric([team, user], seconds)
 
         unsealed, oldest_unsealed = audit_unsealed()
         families["audit_unsealed"].add_metric([], unsealed)

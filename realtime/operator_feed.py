@@ -1,11 +1,12 @@
 """The operators' change feed: one unstored SSE channel saying which workers and jobs just changed.
 
 It relays the audit log's ``CHANGES`` announcements (``audit.events``), and serves them at
-GET /admin/live/changes to admin pages signed in with a session. The feed carries hints, not state: an admin page that hears its objects named re-reads them, and re-reads
+GET /admin/live/changes to admin pages signed in with a session, and to API clients (the `simpletuner jobs`
+command line) with an operator API token (``Authorization: Bearer``). The feed carries hints, not state: an admin page that hears its objects named re-reads them, and re-reads
 everything on (re)connect, so an event lost to a full queue or a Redis outage costs nothing.
 
 A feed lives only as long as the session that opened it would still open it: signed in, not expired,
-its user active, staff and allowed to follow. An account change that may take that away announces its
+its user active, staff and allowed to follow (with a token: the token active, its user active and allowed). An account change that may take that away announces its
 users (``workers.accounts.ACCESS_CHANGED``); every process then re-checks those users' open feeds (a
 ``recheck`` control message, sent like a worker stream's revocation) and ends each that fails, with a
 ``stream-error``. Every ``RECHECK_INTERVAL_S`` each process re-checks all its feeds, for what a push
@@ -15,6 +16,7 @@ missed (Redis down, a session expired, a queryset update).
 import asyncio
 import hashlib
 import logging
+import math
 import queue
 import threading
 from importlib import import_module
@@ -29,11 +31,15 @@ from django_eventstream import views as es_views
 from django_eventstream.utils import sse_encode_error
 from django_eventstream.views import Listener, stream
 from redis.exceptions import RedisError
+from rest_framework.exceptions import AuthenticationFailed, Throttled
 
 from audit.permissions import VIEW_AUDIT
 from common.http import error_response
 from common.permissions import may
 from job_queue.permissions import VIEW_JOBS
+from workers.authentication import BearerTokenAuthentication
+from workers.models import TokenKind
+from workers.services import token_active
 from workers.permissions import VIEW_WORKERS
 
 from .db import in_db_thread
@@ -58,16 +64,21 @@ REVOKED = "signed out, or no longer allowed to follow changes"
 
 
 class OperatorPrincipal:
-    """Stands in for ``request.user`` on the change feed: a signed-in operator allowed to follow it, by the session
-    that opened the feed. ``pk`` names the session (a digest), so a revocation ends that session's feeds only."""
+    """Stands in for ``request.user`` on the change feed: an operator allowed to follow it, by the session (or the
+    API token, ``token``) that opened the feed. ``pk`` names the session (a digest) or the token, so a revocation
+    ends that session's (token's) feeds only."""
 
     is_authenticated = True
     is_anonymous = False
 
-    def __init__(self, user_id, session_key):
+    def __init__(self, user_id, session_key, token=None):
         self.user_id = user_id
         self.session_key = session_key
-        self.pk = "session:" + hashlib.sha256(session_key.encode()).hexdigest()[:32]
+        self.token_id, self.token_digest = (token.pk, token.digest) if token is not None else (None, None)
+        if token is not None:
+            self.pk = f"token:{token.pk}"
+        else:
+            self.pk = "session:" + hashlib.sha256(session_key.encode()).hexdigest()[:32]
         self.revoked = False
         self.revoked_reason = ""
         self.revoked_code = ""
@@ -156,24 +167,48 @@ def on_changes(*, targets):
 FOLLOW_PERMISSIONS = (VIEW_WORKERS, VIEW_JOBS, VIEW_AUDIT)
 
 
-def follow_refusal(user):
-    """Return None when ``user`` may follow the feed, else ``error_response``'s ``(code, detail, status)``."""
+def follow_refusal(user, *, by_token=False):
+    """Return None when ``user`` may follow the feed, else ``error_response``'s ``(code, detail, status)``.
+
+    With a session (the admin's pages) the user must be staff; with an API token (``by_token``), as everywhere in
+    the API, the permission alone counts."""
     if not user.is_authenticated:
         return ("not_authenticated", "sign in to the admin to follow changes", 401)
-    if not (user.is_staff and any(may(user, p) for p in FOLLOW_PERMISSIONS)):
-        return ("permission_denied", "only staff who may view workers, jobs or the audit log follow changes", 403)
+    if not ((by_token or user.is_staff) and any(may(user, p) for p in FOLLOW_PERMISSIONS)):
+        who = "users" if by_token else "staff"
+        return ("permission_denied", f"only {who} who may view workers, jobs or the audit log follow changes", 403)
     return None
 
 
 @in_db_thread
 def _follower(request):
-    """Return ``(user id, session key, None)`` for a user who may follow the feed, else ``(None, None, error response
-    args)``."""
+    """Return ``(user id, session key, API token, None)`` for a user who may follow the feed, else ``(None, None, None,
+    error response args)``. An ``Authorization: Bearer`` token is checked (and a refused one counted) as the API
+    checks it; without one, the session."""
+    if request.headers.get("Authorization"):
+        try:
+            authenticated = BearerTokenAuthentication().authenticate(request)
+        except Throttled as exc:
+            return None, None, None, ("throttled", str(exc.detail), 429, exc.wait)
+        except AuthenticationFailed as exc:
+            return None, None, None, ("not_authenticated", str(exc.detail), 401)
+        if authenticated is None:  # another scheme than Bearer
+            return None, None, None, ("not_authenticated", "send Authorization: Bearer <API token>", 401)
+        user, token = authenticated
+        refusal = follow_refusal(user, by_token=True)
+        return (None, None, None, refusal) if refusal else (user.pk, "", token, None)
     user = request.user  # the session lookup happens here, off the event loop
     refusal = follow_refusal(user)
     if refusal:
-        return None, None, refusal
-    return user.pk, request.session.session_key or "", None
+        return None, None, None, refusal
+    return user.pk, request.session.session_key or "", None, None
+
+
+def token_user(digest):
+    """Return the user the API token whose hash is ``digest`` signs in now (the token active, its user active), else
+    None."""
+    token = token_active(kind=TokenKind.API, digest=digest)
+    return token.user if token is not None and token.user is not None and token.user.is_active else None
 
 
 def session_user(session_key):
@@ -216,8 +251,9 @@ def close_unfollowable_feeds(user_ids=None):
     principals = {listener.principal.pk: listener.principal for listener in _feed_listeners(user_ids)}
     closed = 0
     for pk, principal in principals.items():
-        user = session_user(principal.session_key)
-        if user is None or user.pk != principal.user_id or follow_refusal(user) is not None:
+        by_token = principal.token_id is not None
+        user = token_user(principal.token_digest) if by_token else session_user(principal.session_key)
+        if user is None or user.pk != principal.user_id or follow_refusal(user, by_token=by_token) is not None:
             manager.revoke(CHANGES_CHANNEL, {pk}, REVOKED, code="access_revoked")
             closed += 1
     return closed
@@ -277,19 +313,23 @@ def on_access_changed(*, user_ids):
 
 
 async def operator_changes_stream(request):
-    """Stream ``changes`` events naming the workers and jobs that changed (401 signed out, 403 not allowed)."""
+    """Stream ``changes`` events naming the workers and jobs that changed (401 signed out or a refused token, 403 not
+    allowed, 429 past the failed-authentication rate)."""
     if request.method != "GET":
         response = error_response("method_not_allowed", "use GET", 405)
         response["Allow"] = "GET"
         return response
-    user_id, session_key, refusal = await _follower(request)
+    user_id, session_key, token, refusal = await _follower(request)
     if refusal:
-        return error_response(*refusal)
+        response = error_response(*refusal[:3])
+        if len(refusal) > 3 and refusal[3]:
+            response["Retry-After"] = str(math.ceil(refusal[3]))
+        return response
     try:
         requested_resume(request)  # a malformed one is refused as on the worker stream
     except ValueError as exc:
         return error_response("invalid_last_event_id", str(exc), 400)
-    principal = request.user = OperatorPrincipal(user_id, session_key)
+    principal = request.user = OperatorPrincipal(user_id, session_key, token)
     # The feed is unstored: there is nothing to resume, so a well-formed resume hint (and the library's own
     # parameters) is ignored.
     event_request = event_request_for([CHANGES_CHANNEL], {}, principal)

@@ -17,7 +17,6 @@ already stored in the transaction, ``published_as`` hands the stored one back in
 """
 
 import json
-from contextlib import contextmanager
 from contextvars import ContextVar
 
 from django.core.serializers.json import DjangoJSONEncoder
@@ -27,6 +26,8 @@ from django_eventstream import storage as library_storage
 from django_eventstream.event import Event
 from django_eventstream.models import Event as StoredEvent
 from django_eventstream.models import EventCounter
+
+from common.scoped import bound
 
 _COUNTERS = EventCounter._meta.db_table
 _EVENTS = StoredEvent._meta.db_table
@@ -51,6 +52,20 @@ class EventStorage(library_storage.DjangoModelStorage):
                 eid = _next_event_id(channel)
                 StoredEvent(channel=channel, type=event_type, data=stored, eid=eid).save()
         return Event(channel, event_type, data, id=eid)
+
+    def get_events(self, channel, last_id, limit=100):
+        """The library's read, its DB connection given back at once outside a transaction.
+
+        The library's stream reads in the request's own thread (``sync_to_async``, thread-sensitive). When
+        Django's handler serves the stream (``SIMPLETUNER_FAST_PATHS=off``) that thread lasts as long as the
+        stream, so a connection left open there was held per stream: 20 streams took PostgreSQL's whole pool
+        and every other request then failed after the pool's 30 s.
+        """
+        try:
+            return super().get_events(channel, last_id, limit=limit)
+        finally:
+            if not connection.in_atomic_block:
+                connection.close()
 
 
 def _counted_insert(channel, event_type, stored):
@@ -90,11 +105,6 @@ def _next_event_id(channel):
     raise RuntimeError(f"event counter of {channel} could not be made")  # another transaction deleted it meanwhile
 
 
-@contextmanager
 def published_as(event):
     """While open, the storage's next append of ``event``'s channel and type returns ``event`` (stored already)."""
-    token = _prestored.set(event)
-    try:
-        yield
-    finally:
-        _prestored.reset(token)
+    return bound(_prestored, event)

@@ -12,6 +12,7 @@ costs the server a few megabytes whatever its size. Everything else is daphne's 
 import asyncio
 import collections
 import gc
+import logging
 from functools import partial
 
 from daphne.cli import CommandLineInterface
@@ -20,6 +21,8 @@ from daphne.server import Server
 from django.conf import settings
 
 from .guard import SPOOL, judge_head, route_path, too_large
+
+logger = logging.getLogger(__name__)
 
 READ_BYTES = 1024 * 1024
 # How long a refused request's connection stays half-open (our side closed) so its client can read the answer
@@ -218,6 +221,28 @@ def _abort_if_open(transport):
 
 
 class SpooledBodyServer(Server):
+    """``before_stopping``: callables run to their end, each in a thread, once the server is told to stop and
+    before daphne cancels the application instances still running (``kill_all_applications``)."""
+
+    def __init__(self, *args, before_stopping=(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.before_stopping = tuple(before_stopping)
+
+    def kill_all_applications(self):
+        """daphne's own (at shutdown: cancel every request still in flight, streams included), once each of
+        ``before_stopping`` has returned. Until then the server still answers: the built-in local worker's
+        agent, stopped by one of them, reports its job and says goodbye, and neither is cancelled midway
+        (daphne runs its own shutdown triggers side by side, so a trigger of ours would race this one)."""
+        if not self.before_stopping:
+            return super().kill_all_applications()
+        from twisted.internet import defer, threads
+
+        def logged(failure):
+            logger.error("Before stopping: %s", failure.getErrorMessage())
+
+        waits = [threads.deferToThread(stop).addErrback(logged) for stop in self.before_stopping]
+        return defer.gatherResults(waits).addBoth(lambda _: super(SpooledBodyServer, self).kill_all_applications())
+
     def run(self):
         if settings.FAST_PATHS:
             tune_gc()  # the application is imported and built by now
@@ -264,4 +289,8 @@ class SpooledBodyServer(Server):
 
 
 class SpooledBodyCommandLineInterface(CommandLineInterface):
-    server_class = SpooledBodyServer
+    """daphne's command line, serving with a SpooledBodyServer (``before_stopping``: see there)."""
+
+    def __init__(self, *, before_stopping=()):
+        super().__init__()
+        self.server_class = partial(SpooledBodyServer, before_stopping=before_stopping)

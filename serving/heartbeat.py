@@ -43,15 +43,18 @@ JSON_TYPES = frozenset({b"application/json", b"application/json; charset=utf-8",
 ACCEPTED = frozenset({None, b"*/*", b"application/json"})  # what HeartbeatView would answer with JSON too
 
 
-# The fields a heartbeat is always validated with: those DRF's validation visits even when absent (required, or
-# with a default).
-_ALWAYS = frozenset(name for name, field in HeartbeatSerializer().fields.items() if field.required or field.default is not empty)
+# The fields a heartbeat may send, and those it is always validated with: those DRF's validation visits even when
+# absent (required, or with a default).
+_FIELDS = HeartbeatSerializer().fields
+_TAKEN = frozenset(name for name, field in _FIELDS.items() if not field.read_only)
+_ALWAYS = frozenset(name for name, field in _FIELDS.items() if field.required or field.default is not empty)
 
 
 @functools.lru_cache(maxsize=64)
 def _validator(names):
-    """A ``HeartbeatSerializer`` bound once and left with the fields ``names`` only. DRF skips an absent optional
-    field without a default, so its validation of a heartbeat that sends ``names`` is this one's; visiting the
+    """A ``HeartbeatSerializer`` bound once and left with the fields ``names`` only (a subset of the fields it
+    takes, so at most one per shape of heartbeat the serializer accepts). DRF skips an absent optional field
+    without a default, so its validation of a heartbeat that sends ``names`` is this one's; visiting the
     fourteen fields (each absent one an exception) and copying them for a new serializer per heartbeat doubled
     the lean path's cost. It holds no state between validations, and the lean path runs on the event loop's one
     thread."""
@@ -65,9 +68,12 @@ def _validator(names):
 def heartbeat_fields(body):
     """Return the validated fields of a heartbeat ``body`` (``HeartbeatSerializer``'s own validation, whole: its
     fields, ``validate_<field>`` methods, validators and ``validate``), or None where it (or the parser before it)
-    would refuse the body: the full path then answers with the reasons."""
+    would refuse the body: the full path then answers with the reasons. A field the serializer does not take is
+    refused here, before a validator is looked up: no shape of heartbeat that would be refused is cached."""
     try:
         data = JSONParser().parse(io.BytesIO(body))
+        if isinstance(data, dict) and not _TAKEN.issuperset(data):
+            return None  # an unknown field: HeartbeatView names it (RefuseUnknownFields)
         names = _ALWAYS.union(data) if isinstance(data, dict) else _ALWAYS
         return _validator(names).run_validation(data)
     except exceptions.APIException:  # ValidationError and ParseError among them

@@ -17,6 +17,7 @@ from django.conf import settings
 from django.core.handlers.asgi import ASGIHandler
 from django.http import QueryDict
 
+from job_queue.takeover import agent_instance
 from realtime.streams import STREAM_HEADERS, open_plain, resume_from, stream_body
 from worker_agent import protocol
 
@@ -24,11 +25,12 @@ from .lean import plain_headers, replay, security_headers
 
 PATH = protocol.STREAM_PATH
 TOKEN_HEADER = protocol.WORKER_TOKEN_HEADER.lower().encode("latin-1")
+INSTANCE_HEADER = protocol.AGENT_INSTANCE_HEADER.lower().encode("latin-1")
 
 
 def plain_stream_request(scope):
-    """Return ``(secret, claimed worker id, resume, head)`` for a stream request the lean path may open, where
-    ``head`` is the response's header list as the view and the middleware would give it; None for anything
+    """Return ``(secret, claimed worker id, resume, instance, head)`` for a stream request the lean path may open,
+    where ``head`` is the response's header list as the view and the middleware would give it; None for anything
     Django must answer (or might read otherwise: a repeated header, a header name Django would merge)."""
     headers = plain_headers(scope)
     if headers is None:
@@ -40,7 +42,8 @@ def plain_stream_request(scope):
         query = QueryDict(scope.get("query_string", b"").decode())
         last_event_id = headers.get(b"last-event-id")
         resume = resume_from(None if last_event_id is None else last_event_id.decode("latin-1"), query.getlist("lastEventId"))
-    except Exception:  # undecodable, too many fields, a bad Last-Event-ID: the view's answer
+        instance = agent_instance((headers.get(INSTANCE_HEADER) or b"").decode("latin-1"))
+    except Exception:  # undecodable, too many fields, a bad Last-Event-ID or agent instance: the view's answer
         return None
     security = security_headers(scope, headers)
     if security is None:
@@ -51,7 +54,7 @@ def plain_stream_request(scope):
         (b"X-Frame-Options", settings.X_FRAME_OPTIONS.upper().encode()),
         *security,
     ]
-    return secret.decode("latin-1"), query.get("worker_id"), resume, head
+    return secret.decode("latin-1"), query.get("worker_id"), resume, instance, head
 
 
 class WorkerStreamEndpoint:
@@ -73,23 +76,23 @@ class WorkerStreamEndpoint:
         message = await receive()
         if message["type"] != "http.request" or message.get("body") or message.get("more_body"):
             return await self.fallback(scope, replay([message], receive), send)
-        secret, claimed_worker_id, resume, head = plain
-        body = await open_body(secret, claimed_worker_id, resume)
+        secret, claimed_worker_id, resume, instance, head = plain
+        body = await open_body(secret, claimed_worker_id, resume, instance)
         if body is None:
             return await self.fallback(scope, replay([message], receive), send)
         await serve(body, head, receive, send)
 
 
-async def open_body(secret, claimed_worker_id, resume):
-    """Mark the stream of ``secret``'s worker open and return its body (``stream_body``), or None where the view
-    must answer (the token refused, another worker's id). The token and its worker are not kept (its own
-    function, so no frame of the open stream holds them)."""
+async def open_body(secret, claimed_worker_id, resume, instance=None):
+    """Mark the stream of ``secret``'s worker (opened by the agent ``instance``) open and return its body
+    (``stream_body``), or None where the view must answer (the token refused, another worker's id). The token
+    and its worker are not kept (its own function, so no frame of the open stream holds them)."""
     stream_id = uuid.uuid4().hex
-    opened = await open_plain(secret, claimed_worker_id, stream_id, bool(resume))
+    opened = await open_plain(secret, claimed_worker_id, stream_id, bool(resume), instance)
     if opened is None:
         return None
     token, current_id = opened
-    _, body = await stream_body(token, stream_id, resume, current_id)
+    _, body = await stream_body(token, stream_id, resume, current_id, instance)
     return body
 
 

@@ -28,6 +28,12 @@ SERVER_SECRETS_ENV = frozenset({"DATABASE_URL", "REDIS_URL", "DJANGO_SECRET_KEY"
 STOP_TIMEOUT_S = 40
 SECOND_SIGNAL_AFTER_S = 0.5
 KILL_AFTER_S = 5
+# The agent starts before the server listens (daphne opens its port after the local worker starts), so its
+# first tries to register are refused. Its "cannot reach" lines are held back this long after it starts and
+# dropped once it registers; a refusal still coming after that is real, and printed with those held.
+LISTENER_GRACE_S = 15.0
+UNREACHABLE_MARK = "cannot reach the orchestrator"  # worker_agent.client's words for a connection error
+REGISTERED_MARK = "Registered as "  # worker_agent.session's line once registered
 
 
 class RestartBackoff:
@@ -101,6 +107,7 @@ class LocalWorker:
         output=_print_line,
         backoff=None,
         second_signal_after=SECOND_SIGNAL_AFTER_S,
+        listener_grace=LISTENER_GRACE_S,
     ):
         self.url = url
         self.data_dir = Path(data_dir)
@@ -113,6 +120,7 @@ class LocalWorker:
         self._output = output
         self._backoff = backoff or RestartBackoff()
         self._second_signal_after = second_signal_after
+        self._listener_grace = listener_grace
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._process = None
@@ -295,11 +303,27 @@ class LocalWorker:
                 return
 
     def _echo(self, process):
+        """Print the agent's lines, prefixed, its token masked; hold back its first "cannot reach" lines
+        (``LISTENER_GRACE_S``): dropped if it registers, printed if the refusals go on or it exits."""
+        held = []  # None once the agent has registered or its grace has passed
         for raw in process.stdout:
             line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
             if self._token:
                 line = line.replace(self._token, MASK)
+            if held is not None:
+                if REGISTERED_MARK in line:
+                    held = None  # the server was only starting to listen: those refusals were no news
+                elif self._clock() - self._spawned_at < self._listener_grace:
+                    if UNREACHABLE_MARK in line:
+                        held.append(line)
+                        continue
+                else:
+                    for earlier in held:
+                        self._output(OUTPUT_PREFIX + earlier)
+                    held = None
             self._output(OUTPUT_PREFIX + line)
+        for earlier in held or ():
+            self._output(OUTPUT_PREFIX + earlier)
         process.stdout.close()
 
     @staticmethod

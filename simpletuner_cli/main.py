@@ -1,9 +1,12 @@
-"""The `simpletuner` console script's arguments: `server` runs the orchestrator, `worker` the agent."""
+"""The `simpletuner` console script's arguments: `server` runs the orchestrator, `worker` the agent; `login`, `jobs`,
+`configs` and `workers` are the users' commands (``commands``), clients of the REST API."""
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
+from .commands import add_user_commands
 from .endpoints import parse_host, parse_port
 from .errors import CLIError
 from .serve import run_server
@@ -18,10 +21,13 @@ WORKER_DESCRIPTION = (
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """An argparse parser that reports a bad argument as one line on stderr (exit status 2)."""
+    """An argparse parser that reports a bad argument as one line on stderr (exit status ``usage_status``: 2, and 3
+    for the user commands, whose 1 and 2 say how a job ended)."""
+
+    usage_status = 2
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        self.exit(self.usage_status, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def add_server_command(subcommands):
@@ -89,6 +95,7 @@ def build_parser():
     subcommands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_server_command(subcommands)
     add_worker_command(subcommands)
+    add_user_commands(subcommands)
     return parser
 
 
@@ -96,9 +103,20 @@ def main(argv=None):
     """Run the console script; return its exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    command = " ".join(filter(None, (args.command, getattr(args, "action", None))))
     try:
         return args.handler(args)
     except CLIError as exc:
-        print(f"simpletuner {args.command}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        print(f"simpletuner {command}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return exc.status
+    except KeyboardInterrupt:
+        if args.command in ("server", "worker"):
+            raise
+        print(f"simpletuner {command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader of our output left (`| head`): stop quietly, as a shell tool does
+        if args.command in ("server", "worker"):
+            raise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
+        return 0
 

@@ -1,6 +1,8 @@
-"""`simpletuner server`: apply migrations, print the banner and serve the orchestrator with daphne."""
+"""`simpletuner server`: read the environment file, check the database and Redis, apply migrations, print the banner
+and serve the orchestrator with daphne."""
 
 import os
+import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -11,6 +13,9 @@ from .tls import cert_fingerprint, ensure_self_signed_cert, load_cert, load_tls_
 
 SETTINGS_MODULE = "simpletuner_site.settings"
 ASGI_APPLICATION = "simpletuner_site.asgi:application"
+# Start-up checks: each try to reach the database, and Redis, gives up after this long (issue 32: within 10 s).
+DATABASE_CONNECT_TIMEOUT_S = 5
+REDIS_CONNECT_TIMEOUT_S = 2
 
 
 def banner_lines(*, settings, url, listen, cert_path=None, fingerprint=None, cert_note="", local_worker=None):
@@ -20,7 +25,7 @@ def banner_lines(*, settings, url, listen, cert_path=None, fingerprint=None, cer
     """
     database = settings.DATABASES["default"]
     if database["ENGINE"].endswith("sqlite3"):
-        db_line = f"SQLite {database['NAME']}"
+        db_line = f"SQLite {database['NAME']}" + ("" if settings.DATABASE_URL else " (embedded: DATABASE_URL is not set)")
     else:
         db_line = f"{database['ENGINE'].rsplit('.', 1)[-1]} {mask_url(settings.DATABASE_URL)}"
     if settings.REDIS_URL:
@@ -30,6 +35,7 @@ def banner_lines(*, settings, url, listen, cert_path=None, fingerprint=None, cer
     lines = [
         "SimpleTuner orchestrator",
         f"  URL          {url}  (listening on {listen})",
+        *([f"  Env file     {settings.ENV_FILE}"] if getattr(settings, "ENV_FILE", None) else []),
         f"  Data dir     {settings.DATA_DIR}",
         f"  Database     {db_line}",
         f"  Mode         {mode_line}",
@@ -41,7 +47,8 @@ def banner_lines(*, settings, url, listen, cert_path=None, fingerprint=None, cer
     if cert_path is not None:
         lines.append(f"  TLS cert     {cert_path}{cert_note}")
         lines.append(f"  SHA-256      {fingerprint}")
-    lines.append("  API token    python manage.py create_api_token USERNAME --superuser")
+    env_file = f"SIMPLETUNER_ENV_FILE={settings.ENV_FILE} " if getattr(settings, "ENV_FILE", None) else ""
+    lines.append(f"  API token    {env_file}python manage.py create_api_token USERNAME --superuser")
     return lines
 
 
@@ -57,8 +64,16 @@ def run_server(args):
         args.ssl_certfile, args.ssl_keyfile = args.ssl_certfile.resolve(), args.ssl_keyfile.resolve()
         supplied_cert = load_tls_pair(args.ssl_certfile, args.ssl_keyfile)
 
-    refuse_port_in_use(args.host, args.port)
     os.environ["DJANGO_SETTINGS_MODULE"] = SETTINGS_MODULE
+    from django.core.exceptions import ImproperlyConfigured
+
+    from simpletuner_site.env import load_env_file
+
+    try:
+        load_env_file()  # first: the file may set PROMETHEUS_MULTIPROC_DIR, which prometheus_client reads at import
+    except ImproperlyConfigured as exc:
+        raise CLIError(f"configuration: {exc}", status=2) from None
+    refuse_port_in_use(args.host, args.port)
     # Outside production mode ALLOWED_HOSTS admits these besides loopback and this machine's names (settings):
     # the address listened on, and the name the local worker dials (a supplied certificate's, if not that).
     local_worker_host = urlsplit(local_worker_endpoint(args.host, args.port, cert=supplied_cert)[0]).hostname
@@ -67,7 +82,6 @@ def run_server(args):
         os.environ["SIMPLETUNER_TLS"] = "true"  # secure cookies and HSTS (settings.SERVES_TLS)
     import django
     from django.conf import settings
-    from django.core.exceptions import ImproperlyConfigured
     from django.core.management import call_command
     from django.db import DatabaseError, connections
 
@@ -75,6 +89,8 @@ def run_server(args):
         django.setup()
     except ImproperlyConfigured as exc:
         raise CLIError(f"configuration: {exc}") from None
+    check_database(settings)
+    check_redis(settings)
     if args.migrate:
         try:
             call_command("migrate", interactive=False, verbosity=1 if args.verbose else 0)
@@ -126,12 +142,9 @@ def run_server(args):
             local_worker = start_local_worker(
                 settings=settings, host=args.host, port=args.port, cert=cert, certfile=certfile, verbose=args.verbose
             )
-        if local_worker is not None:
-            from twisted.internet import reactor, threads  # daphne has installed its asyncio reactor by now
-
-            # Stop the agent while the server still answers, so that it can report its job and disconnect.
-            reactor.addSystemEventTrigger("before", "shutdown", threads.deferToThread, local_worker.stop)
-        SpooledBodyCommandLineInterface().run([*daphne_args, ASGI_APPLICATION])
+        # Stop the agent while the server still answers, so that it can report its job and disconnect.
+        before_stopping = (local_worker.stop,) if local_worker is not None else ()
+        SpooledBodyCommandLineInterface(before_stopping=before_stopping).run([*daphne_args, ASGI_APPLICATION])
     finally:
         if local_worker is not None:
             local_worker.stop()
@@ -140,6 +153,60 @@ def run_server(args):
         presence.stop()
         end_presence()
     return 0
+
+
+def check_database(settings, timeout=DATABASE_CONNECT_TIMEOUT_S):
+    """Connect to the database once, directly (no pool), within ``timeout`` seconds each try.
+
+    Raise CLIError with the driver's own reason (``database "x" does not exist``, ``connection refused``) if it cannot
+    be used: psycopg's pool would wait 30 s for a connection it cannot make and then drop the reason.
+    """
+    from django.db import DatabaseError, connections
+
+    connection = connections["default"]
+    where = connection.settings_dict["NAME"] if connection.vendor == "sqlite" else mask_url(settings.DATABASE_URL)
+    try:
+        if connection.vendor == "postgresql":
+            params = connection.get_connection_params()
+            configured = float(params.get("connect_timeout") or timeout)
+            params["connect_timeout"] = max(1, round(min(configured, timeout)))
+            connection.Database.connect(**params).close()
+        else:
+            connection.ensure_connection()
+            connection.close()
+    except (DatabaseError, connection.Database.Error) as exc:
+        reason = " ".join(str(exc).split())
+        raise CLIError(f"cannot use the database {where}: {reason.rstrip('.')} (check DATABASE_URL)") from None
+
+
+def check_redis(settings, timeout=REDIS_CONNECT_TIMEOUT_S):
+    """Ping REDIS_URL, if set, within ``timeout`` seconds; raise CLIError in production mode if it does not answer,
+    else print a warning on stderr (the server serves, and its event listener keeps trying)."""
+    if not settings.REDIS_URL:
+        return
+    import redis
+
+    client = redis.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=timeout, socket_timeout=timeout)
+    try:
+        client.ping()
+        return
+    except redis.RedisError as exc:
+        reason = " ".join(str(exc).split()).rstrip(".")
+    finally:
+        client.close()
+    where = mask_url(settings.REDIS_URL)
+    if settings.PRODUCTION:
+        raise CLIError(
+            f"Redis {where} does not answer: {reason} (production mode needs it: it carries events between the "
+            "server processes and is Celery's broker; check REDIS_URL and that redis-server runs)"
+        )
+    print(
+        f"simpletuner server: warning: Redis {where} does not answer: {reason}; serving anyway: until it answers, "
+        "events reach only the streams this process holds (its listener keeps trying) and Celery beat cannot hand "
+        "out the sweeps",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def refuse_port_in_use(host, port):

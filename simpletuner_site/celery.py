@@ -1,10 +1,14 @@
-"""The Celery app: configured from the CELERY_* Django settings, tasks found in each app's tasks.py."""
+"""The Celery app: configured from the CELERY_* Django settings (SIMPLETUNER_ENV_FILE read first), tasks found in each
+app's tasks.py."""
 
 import os
 
 from celery import Celery
 
+from .env import load_env_file
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "simpletuner_site.settings")
+load_env_file()  # SIMPLETUNER_ENV_FILE, before anything reads the environment (the settings, prometheus_client)
 
 app = Celery("simpletuner_site")
 app.config_from_object("django.conf:settings", namespace="CELERY")

@@ -1,13 +1,53 @@
-"""Reading the settings' environment variables (each reader returns the default for an unset or empty variable and
-raises ImproperlyConfigured, naming the variable, for a value it cannot take), and the Host names a server answers
-to by default, which depend on the machine and the variables ``simpletuner server`` sets."""
+"""Reading the settings' environment: the environment file named by SIMPLETUNER_ENV_FILE, the variables (each reader
+returns the default for an unset or empty variable and raises ImproperlyConfigured, naming the variable, for a value
+it cannot take), and the Host names a server answers to by default, which depend on the machine and the variables
+``simpletuner server`` sets."""
 
 import os
 import re
 import socket
+from pathlib import Path
 from urllib.parse import urlparse
 
 from django.core.exceptions import ImproperlyConfigured
+
+ENV_FILE_VARIABLE = "SIMPLETUNER_ENV_FILE"
+
+
+def load_env_file():
+    """Add the variables of the file named by SIMPLETUNER_ENV_FILE to ``os.environ``; return its path (None if unset).
+
+    A variable already in the process environment wins over the file's: ``DATABASE_URL=... manage.py ...`` overrides
+    the file for one command. The syntax is python-dotenv's (``KEY=value``, ``#`` comments, single or double quotes,
+    an optional ``export``), without ``${VAR}`` expansion, as systemd's EnvironmentFile= reads it. Raise
+    ImproperlyConfigured, naming the file, if it cannot be read or a line is not ``KEY=value``: a named file is never
+    skipped in silence, which would leave the embedded SQLite database in its place.
+    """
+    from dotenv.parser import parse_stream
+
+    named = os.environ.get(ENV_FILE_VARIABLE, "").strip()
+    if not named:
+        return None
+    path = Path(named).expanduser().absolute()
+    try:
+        with path.open(encoding="utf-8") as stream:
+            bindings = list(parse_stream(stream))
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ImproperlyConfigured(f"{ENV_FILE_VARIABLE}={named}: cannot read the environment file: {reason}") from None
+    values = {}
+    for binding in bindings:
+        line = binding.original.line
+        if binding.error:
+            raise ImproperlyConfigured(f"{path}, line {line}: not KEY=value: {binding.original.string.strip()!r}")
+        if binding.key is None:  # a blank line or a comment
+            continue
+        if binding.value is None:
+            raise ImproperlyConfigured(f"{path}, line {line}: {binding.key} has no value (write {binding.key}= for an empty one)")
+        values[binding.key] = binding.value
+    for key, value in values.items():
+        os.environ.setdefault(key, value)
+    return path
 
 
 def env_bool(name, default):
@@ -51,6 +91,19 @@ def env_int(name, default, minimum=0, maximum=None):
 
 
 RATE = re.compile(r"^([1-9][0-9]*)/(s|sec|second|m|min|minute|h|hour|d|day)$")
+
+
+def env_port_range(name, default):
+    """Return ``(first, last)`` of a port range written ``first-last`` (1 to 65535, first <= last)."""
+    raw = os.environ.get(name) or default
+    first, dash, last = raw.strip().partition("-")
+    try:
+        low, high = int(first), int(last if dash else first)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name} must look like 29500-29999, got {raw!r}") from None
+    if not 1 <= low <= high <= 65535:
+        raise ImproperlyConfigured(f"{name} must be ports from 1 to 65535, the first no greater than the last, got {raw!r}")
+    return low, high
 
 
 def env_rate(name, default):

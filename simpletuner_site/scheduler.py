@@ -22,8 +22,13 @@ def sweep_schedule():
     from artifacts.sweeps import sweep_expired_artifacts
     from audit.sweeps import SEAL_INTERVAL, seal_chain
     from job_queue.dispatch import dispatch_pending
-    from job_queue.sweeps import sweep_stale_workers, sweep_unacknowledged_dispatches
+    from job_queue.fairshare import CHARGE_INTERVAL
+    from job_queue.sweeps import sweep_fairshare_charge, sweep_stale_workers, sweep_unacknowledged_dispatches
     from realtime.sweeps import trim_stored_events
+    from webhooks.sender import SWEEP_INTERVAL as WEBHOOK_INTERVAL
+    from webhooks.sweeps import TRIM_INTERVAL as WEBHOOK_TRIM_INTERVAL
+    from webhooks.sweeps import deliver_due as deliver_webhooks
+    from webhooks.sweeps import trim_deliveries as trim_webhook_deliveries
     from workers.sweeps import sweep_offline_ephemeral_workers
 
     interval = settings.SIMPLETUNER["HEALTH_CHECK_INTERVAL"]
@@ -39,6 +44,12 @@ def sweep_schedule():
         ("realtime.trim_stored_events", trim_stored_events, STORED_EVENT_TRIM_INTERVAL),
         # audit rows a commit's own wake left unsealed (their process stopped first): sealed within a second
         ("audit.seal_chain", seal_chain, SEAL_INTERVAL),
+        # webhook deliveries due (retries, and those whose commit's own kick was lost)
+        ("webhooks.deliver_due", deliver_webhooks, WEBHOOK_INTERVAL),
+        # webhook deliveries ended more than 30 days ago
+        ("webhooks.trim_deliveries", trim_webhook_deliveries, WEBHOOK_TRIM_INTERVAL),
+        # the GPU time attempts held since the last charge, added to their shares' fair-share usage (lags by this much)
+        ("queue.sweep_fairshare_charge", sweep_fairshare_charge, CHARGE_INTERVAL),
     ]
 
 

@@ -17,10 +17,16 @@ from .env import LOOPBACK_ALLOWED_HOSTS, default_allowed_hosts  # noqa: F401  (t
 from .env import env_bool as _env_bool
 from .env import env_choice as _env_choice
 from .env import env_int as _env_int
+from .env import env_port_range as _env_port_range
 from .env import env_rate as _env_rate
 from .env import env_seconds as _env_seconds
+from .env import load_env_file
 
 BASE_DIR = Path(__file__).resolve().parent.parent
+
+# The environment file named by SIMPLETUNER_ENV_FILE (the process environment wins over it). manage.py, `simpletuner
+# server` and Celery load it first thing; this covers any other entry point (an ASGI server given asgi.py).
+ENV_FILE = load_env_file()
 
 
 DATA_DIR = Path(os.environ.get("SIMPLETUNER_DATA_DIR") or "./var").resolve()
@@ -95,9 +101,11 @@ INSTALLED_APPS = [
     "workers",
     "artifacts",
     "training_configs",
+    "tenancy",
     "job_queue",
     "realtime",
     "observability",
+    "webhooks",
     "simpletuner_site.apps.SiteConfig",
 ]
 
@@ -262,6 +270,11 @@ SIMPLETUNER = {
     "DISPATCH_ACK_TIMEOUT": _env_seconds("SIMPLETUNER_DISPATCH_ACK_TIMEOUT", 60),
     "EPHEMERAL_CLEANUP_AFTER": _env_seconds("SIMPLETUNER_EPHEMERAL_CLEANUP_AFTER", 3600),
     "JOB_MAX_RETRIES": _env_int("SIMPLETUNER_JOB_MAX_RETRIES", 3, minimum=0, maximum=100),
+    # The ports a multi-node job's rank 0 listens on for its other members (job_queue.gangs): the orchestrator
+    # assigns one at each dispatch, so every member's job_submit carries it at once (no round trip to rank 0's agent
+    # before the members start); one another live gang holds on the same worker is never given, and an agent that
+    # finds it taken on its host refuses the job, which goes out again with another (docs/operator-guide.md).
+    "GANG_PORT_RANGE": _env_port_range("SIMPLETUNER_GANG_PORT_RANGE", "29500-29999"),
     # The whole output of each attempt of a job is kept up to this many characters (the oldest go first, and
     # the log says how much went); job_queue.logs.
     "JOB_LOG_MAX_CHARS": _env_int("SIMPLETUNER_JOB_LOG_MAX_CHARS", 2_000_000, minimum=16 * 1024, maximum=200_000_000),
@@ -284,6 +297,10 @@ SIMPLETUNER = {
     "SPOOL_MAX_BYTES": _env_int("SIMPLETUNER_SPOOL_MAX_BYTES", 0, minimum=0),
     # Refuse (400 config_not_stored) a job whose config_name is not a stored config (docs/operator-guide.md).
     "REQUIRE_STORED_CONFIG": _env_bool("SIMPLETUNER_REQUIRE_STORED_CONFIG", False),
+    # The half-life of the GPU usage that orders the shares of a fleet (job_queue.fairshare): 7 days.
+    "FAIRSHARE_HALF_LIFE": _env_seconds("SIMPLETUNER_FAIRSHARE_HALF_LIFE", 7 * 24 * 3600),
+    # Webhook URLs resolving to loopback, private, link-local, multicast or reserved addresses (docs/webhooks.md).
+    "WEBHOOK_ALLOW_PRIVATE": _env_bool("SIMPLETUNER_WEBHOOK_ALLOW_PRIVATE", False),
     # Keys of configs and dataloaders whose values are secrets (training_configs.secrets): shell-style patterns,
     # comma-separated, matched case-insensitively at any depth; shown masked to readers without
     # configs.view_config_secrets. Agents always receive them.

@@ -27,7 +27,9 @@ from rest_framework.views import APIView
 from artifacts.models import Artifact
 from artifacts.tokens import upload_token
 from audit.models import AuditEvent
+from tenancy.models import Limits, Team
 from training_configs.models import TrainingConfig
+from webhooks.models import Delivery, DeliveryStatus, Webhook
 from job_queue.models import Job, JobAttempt, JobStatus
 from job_queue.tests.factories import JobFactory, job_on_worker
 from workers.models import Token, Worker, WorkerStatus, hash_token
@@ -53,6 +55,8 @@ ROUTES = {
     "artifact-download": (OPERATOR, {"GET": "artifacts.download_artifact"}, None),
     "config-list": (OPERATOR, {"GET": "configs.view_trainingconfig", "POST": "configs.add_trainingconfig"}, None),
     "config-detail": (OPERATOR, {"GET": "configs.view_trainingconfig"}, None),
+    "config-list-slash": (OPERATOR, {"GET": "configs.view_trainingconfig", "POST": "configs.add_trainingconfig"}, None),
+    "config-detail-slash": (OPERATOR, {"GET": "configs.view_trainingconfig"}, None),
     "admin-workers": (OPERATOR, {"GET": "workers.view_worker", "POST": "workers.add_worker"}, None),
     "admin-worker": (OPERATOR, {"GET": "workers.view_worker", "DELETE": "workers.delete_worker"}, None),
     "admin-worker-drain": (OPERATOR, {"POST": "workers.drain_worker"}, None),
@@ -66,6 +70,20 @@ ROUTES = {
     "queue-job-retry": (OPERATOR, {"POST": "queue.retry_job"}, None),
     "queue-job-log": (OPERATOR, {"GET": "queue.view_job"}, None),
     "audit-list": (OPERATOR, {"GET": "audit.view_auditevent"}, None),
+    "admin-webhooks": (OPERATOR, {"GET": "webhooks.view_webhook", "POST": "webhooks.add_webhook"}, None),
+    "admin-webhook": (
+        OPERATOR, {"GET": "webhooks.view_webhook", "PATCH": "webhooks.change_webhook", "DELETE": "webhooks.delete_webhook"}, None
+    ),
+    "admin-webhook-deliveries": (OPERATOR, {"GET": "webhooks.view_webhook"}, None),
+    "admin-webhook-redeliver": (OPERATOR, {"POST": "webhooks.redeliver_webhook"}, None),
+    "admin-teams": (OPERATOR, {"GET": "tenancy.view_team", "POST": "tenancy.add_team"}, None),
+    "admin-team": (
+        OPERATOR, {"GET": "tenancy.view_team", "PATCH": "tenancy.change_team", "DELETE": "tenancy.delete_team"}, None
+    ),
+    "admin-team-limits": (OPERATOR, {"PUT": "tenancy.set_limits"}, None),
+    "admin-user-limits": (OPERATOR, {"PUT": "tenancy.set_limits"}, None),
+    "admin-limits": (OPERATOR, {"GET": "tenancy.view_team", "PUT": "tenancy.set_limits"}, None),
+    "usage": (OPERATOR, {"GET": "tenancy.view_usage"}, None),
     "api-schema": (OPERATOR, {"GET": SIGNED_IN}, None),
     "api-docs": (OPERATOR, {"GET": SIGNED_IN}, None),
     "metrics": (OPERATOR, {"GET": SIGNED_IN}, None),  # SIMPLETUNER_METRICS=operators, the default
@@ -95,14 +113,23 @@ ADMIN_ACTIONS = {
     ("queue.job", "button:cancel"): "queue.cancel_job",
     ("queue.job", "button:retry"): "queue.retry_job",
     ("configs.trainingconfig", "add"): "configs.add_trainingconfig",
+    ("tenancy.team", "add"): "tenancy.add_team",
+    ("tenancy.team", "delete"): "tenancy.delete_team",
+    ("webhooks.webhook", "add"): "webhooks.add_webhook",
+    ("webhooks.webhook", "delete"): "webhooks.delete_webhook",
+    ("webhooks.delivery", "redeliver_deliveries"): "webhooks.redeliver_webhook",
+    ("webhooks.delivery", "button:redeliver"): "webhooks.redeliver_webhook",
 }
-OUR_APPS = {"workers", "queue", "audit", "artifacts", "configs"}
+OUR_APPS = {"workers", "queue", "audit", "artifacts", "configs", "webhooks", "tenancy"}
 # What an admin page needs to be reached at all, beside the action's own permission.
 ADMIN_VIEW = {
     "workers.worker": "workers.view_worker",
     "workers.token": "workers.view_token",
     "queue.job": "queue.view_job",
     "configs.trainingconfig": "configs.view_trainingconfig",
+    "tenancy.team": "tenancy.view_team",
+    "webhooks.webhook": "webhooks.view_webhook",
+    "webhooks.delivery": "webhooks.view_webhook",
 }
 
 
@@ -191,7 +218,9 @@ class World:
             job_id=self.failed.pk, key="out/model.bin", storage_name="outputs/none", size=0, sha256="0" * 64,
             lease_id="a_gone", attempt_number=1,
         )
+        self.webhook, self.delivery = webhook_with_an_ended_delivery()
         root = UserFactory(is_superuser=True, is_staff=True)
+        self.root, self.team = root, Team.objects.create(name="matrix-team")
         self.operator_token = api_token(root)
         self.revoked_operator_token = api_token(root)
         revoke(self.revoked_operator_token)
@@ -212,9 +241,28 @@ class World:
             kwargs["step"] = "5"
         if name == "artifact-download":
             kwargs["artifact_id"] = self.artifact.pk
-        if name == "config-detail":
+        if name in ("config-detail", "config-detail-slash"):
             kwargs["name"] = "sdxl-lora"
+        if name in ("admin-webhook", "admin-webhook-deliveries", "admin-webhook-redeliver"):
+            kwargs["webhook_id"] = self.webhook.pk
+        if name == "admin-webhook-redeliver":
+            kwargs["delivery_id"] = self.delivery.delivery_id
+        if name in ("admin-team", "admin-team-limits"):
+            kwargs["team"] = self.team.name
+        if name == "admin-user-limits":
+            kwargs["username"] = self.root.username
         return reverse(name, kwargs=kwargs) + (f"?{urlencode(query)}" if query else "")
+
+
+def webhook_with_an_ended_delivery():
+    """A webhook (to a literal public address: nothing to resolve) and a failed delivery of it, to redeliver."""
+    hook = Webhook.objects.create(url="https://93.184.215.14/hook", events=["job.failed"], secret="s" * 20)
+    now = timezone.now()
+    delivery = Delivery.objects.create(
+        webhook=hook, event="job.failed", subject="job:j_gone", occurred_at=now, body="{}", status=DeliveryStatus.FAILED,
+        retry_until=now, attempts=1,
+    )  # fmt: skip
+    return hook, delivery
 
 
 def state():
@@ -226,6 +274,9 @@ def state():
         "attempts": list(JobAttempt.objects.order_by("pk").values()),
         "artifacts": list(Artifact.objects.order_by("pk").values()),
         "configs": list(TrainingConfig.objects.order_by("pk").values()),
+        "webhooks": list(Webhook.objects.order_by("pk").values()) + list(Delivery.objects.order_by("pk").values()),
+        "teams": list(Team.objects.order_by("pk").values()) + list(Team.members.through.objects.order_by("pk").values()),
+        "limits": list(Limits.objects.order_by("pk").values()),
         "events": Event.objects.count(),
         "successful audit rows": list(AuditEvent.objects.filter(success=True).values_list("pk", flat=True)),
     }
@@ -375,20 +426,30 @@ class AdminWorld:
         self.job, self.failed = JobFactory(), JobFactory(status=JobStatus.FAILED)
         api_token(UserFactory())
         self.api_token = Token.objects.filter(kind="api").first()
+        self.webhook, self.delivery = webhook_with_an_ended_delivery()
+        self.team = Team.objects.create(name="matrix-admin-team")
 
     def target(self, label, action):
+        if label == "tenancy.team":
+            return self.team
         if label == "workers.worker":
             return self.drained if "undrain" in action else self.worker
         if label == "workers.token":
             return self.api_token
+        if label == "webhooks.webhook":
+            return self.webhook
+        if label == "webhooks.delivery":
+            return self.delivery
         return self.failed if "retry" in action else self.job
 
 
 ADD_FORMS = {
     "workers.worker": {"name": "new-one", "worker_type": "persistent", "labels": ""},
     "queue.job": {"config_name": "c", "config": "{}", "target": "worker", "priority": "0"},
+    "tenancy.team": {"name": "matrix-new-team"},
     "workers.token": {"description": "matrix", "expires": "7"},  # user: the caller (set by admin_request)
     "configs.trainingconfig": {"name": "sdxl-lora", "config": '{"lr": 1}', "dataloader": "", "description": ""},
+    "webhooks.webhook": {"url": "https://93.184.215.14/new", "events": ["job.failed"], "secret": "s" * 20, "format": "json"},
 }
 
 

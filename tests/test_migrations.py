@@ -32,6 +32,9 @@ SPLIT_MIGRATION = importlib.import_module("workers.migrations.0003_worker_permis
 ARTIFACTS_MIGRATION = importlib.import_module("artifacts.migrations.0002_artifact_permissions")
 CONFIGS_MIGRATION = importlib.import_module("training_configs.migrations.0002_config_permissions")
 SECRETS_MIGRATION = importlib.import_module("training_configs.migrations.0003_view_config_secrets")
+TENANCY_MIGRATION = importlib.import_module("tenancy.migrations.0002_tenancy_permissions")
+PRIORITY_MIGRATION = importlib.import_module("tenancy.migrations.0003_prioritize_jobs")
+WEBHOOKS_MIGRATION = importlib.import_module("webhooks.migrations.0002_webhook_permissions")
 EDITOR = SimpleNamespace(connection=connection)
 
 
@@ -48,16 +51,23 @@ def test_the_operator_groups_are_shipped_with_their_permissions():
     ARTIFACTS_MIGRATION.grant(apps, EDITOR)
     CONFIGS_MIGRATION.grant(apps, EDITOR)
     SECRETS_MIGRATION.grant(apps, EDITOR)
+    WEBHOOKS_MIGRATION.grant(apps, EDITOR)
+    TENANCY_MIGRATION.grant(apps, EDITOR)
+    PRIORITY_MIGRATION.grant(apps, EDITOR)
 
     groups = _group_permissions()
 
     assert set(groups) >= {"viewer", "operator", "admin"}
     for name, shipped in (("viewer", GROUPS_MIGRATION.VIEWER), ("operator", GROUPS_MIGRATION.OPERATOR), ("admin", GROUPS_MIGRATION.ADMIN)):
         granted = {*ARTIFACTS_MIGRATION.GRANTS[name], *CONFIGS_MIGRATION.GRANTS[name], *SECRETS_MIGRATION.GRANTS.get(name, ())}
+        granted |= set(TENANCY_MIGRATION.GRANTS[name]) | set(PRIORITY_MIGRATION.GRANTS.get(name, ()))
+        granted |= set(WEBHOOKS_MIGRATION.GRANTS.get(name, ()))
         assert groups[name] == sorted({*shipped, *granted}), name
     assert "artifacts.download_artifact" not in groups["viewer"]
     assert [name for name in ("viewer", "operator", "admin") if "configs.view_config_secrets" in groups[name]] == ["admin"]
     assert "artifacts.download_artifact" in groups["operator"]
+    assert [name for name in ("viewer", "operator", "admin") if "webhooks.view_webhook" in groups[name]] == ["admin"]
+    assert [name for name in ("viewer", "operator", "admin") if "tenancy.set_limits" in groups[name]] == ["admin"]
     assert set(GROUPS_MIGRATION.VIEWER) < set(GROUPS_MIGRATION.OPERATOR) < set(GROUPS_MIGRATION.ADMIN)
     assert all(p.startswith(("workers.view_", "queue.view_", "audit.view_")) for p in GROUPS_MIGRATION.VIEWER)
 

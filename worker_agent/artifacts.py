@@ -65,17 +65,17 @@ class ArtifactTransfer:
 
     # --- one request, retried ---------------------------------------------------------------------
 
-    def _request(self, method, url, *, body=None, stream=False):
+    def _request(self, method, url, *, body=None, stream=False, headers=None):
         """Send ``method url`` until it is answered below 400; return the response. ``body`` is a callable
         returning a fresh body for each try. Raise TransferError when refused or out of tries."""
+        headers = {protocol.UPLOAD_TOKEN_HEADER: self.token, "Content-Type": "application/octet-stream", **(headers or {})}
         self.backoff.reset()
         for attempt in range(1, self.tries + 1):
             data = body() if body is not None else None
             wait = None
             try:
                 response = self.session.request(
-                    method, url, data=data, stream=stream, timeout=TIMEOUT, verify=self.verify,
-                    headers={protocol.UPLOAD_TOKEN_HEADER: self.token, "Content-Type": "application/octet-stream"},
+                    method, url, data=data, stream=stream, timeout=TIMEOUT, verify=self.verify, headers=headers,
                 )  # fmt: skip
             except requests.RequestException as exc:
                 reason = f"{exc.__class__.__name__}"
@@ -117,9 +117,9 @@ class ArtifactTransfer:
     def object_url(self, bucket, key):
         return f"{self.endpoint_url}/{quote(bucket)}/{quote(key)}"
 
-    def upload_file(self, path, bucket, key):
+    def upload_file(self, path, bucket, key, *, headers=None):
         """PUT ``path`` as ``bucket/key``; return the server's answer (``sha256``, ``size``...). Raise TransferError."""
-        response = self._request("PUT", self.object_url(bucket, key), body=lambda: open(path, "rb"))
+        response = self._request("PUT", self.object_url(bucket, key), body=lambda: open(path, "rb"), headers=headers)
         try:
             return response.json()
         except ValueError:
@@ -133,20 +133,40 @@ class ArtifactTransfer:
         directory = Path(directory)
         if not directory.is_dir():
             return 0
+        paths = sorted(p for p in directory.rglob("*") if p.is_file() and not p.is_symlink())
+        return self._upload_files(directory, paths, manifest_path=manifest_path, bucket=bucket)
+
+    def _upload_files(self, root, paths, *, manifest_path, bucket=OUTPUT_BUCKET, headers=None):
+        """Upload ``paths`` in order (keys: their paths relative to ``root``), skipping those the manifest
+        records unchanged; return how many were sent. Raise TransferError (OSError for a file gone meanwhile)."""
         manifest = _read_manifest(manifest_path)
         sent = 0
-        for path in sorted(p for p in directory.rglob("*") if p.is_file() and not p.is_symlink()):
-            key = path.relative_to(directory).as_posix()
+        for path in paths:
+            key = path.relative_to(root).as_posix()
             stat = path.stat()
             if manifest.get(key, [None, None])[:2] == [stat.st_size, stat.st_mtime_ns]:
                 continue
             digest = file_sha256(path)
-            answer = self.upload_file(path, bucket, key)
+            answer = self.upload_file(path, bucket, key, headers=headers)
             if answer.get("sha256") not in (None, digest):
                 raise TransferError(f"{key}: the orchestrator stored SHA-256 {answer.get('sha256')}, not {digest}")
             manifest[key] = [stat.st_size, stat.st_mtime_ns, digest]
             _write_manifest(manifest_path, manifest)
             sent += 1
+        return sent
+
+    def upload_checkpoint(self, directory, step, *, manifest_path, last=(), bucket=OUTPUT_BUCKET):
+        """Upload every file of checkpoint directory ``directory`` (of ``step``; keys relative to its parent, the
+        output directory) as a checkpoint this attempt declares, the files named in ``last`` (its marker) after
+        the others, then declare it complete; return how many files were sent. Raise TransferError or OSError."""
+        directory = Path(directory)
+        paths = sorted(
+            (p for p in directory.rglob("*") if p.is_file() and not p.is_symlink()),
+            key=lambda p: (p.relative_to(directory).as_posix() in last, p.relative_to(directory).as_posix()),
+        )
+        headers = {protocol.CHECKPOINT_DECLARES_HEADER: "1"}
+        sent = self._upload_files(directory.parent, paths, manifest_path=manifest_path, bucket=bucket, headers=headers)
+        self.declare_checkpoint(step)
         return sent
 
     def declare_checkpoint(self, step):

@@ -35,6 +35,8 @@ class AgentConfig:
     heartbeat_interval: float | None  # None: the orchestrator's value from register
     cancel_grace: float
     verbose: int = 0
+    gpus: list | None = None  # --gpus: the GPU indices this agent may use (None: every GPU NVML sees)
+    advertise_address: str | None = None  # --advertise-address: where other workers reach this one
 
 
 def add_arguments(parser):
@@ -48,7 +50,8 @@ def add_arguments(parser):
         "--persistent",
         action="store_true",
         default=None,
-        help="stay online between jobs (or SIMPLETUNER_WORKER_PERSISTENT=true; default: ephemeral, exit after one job)",
+        help="stay online between jobs (or SIMPLETUNER_WORKER_PERSISTENT=true; default: ephemeral, exit after one job); "
+        "the worker's type, set by the operator who created it, wins: the agent says so at start when they differ",
     )
     parser.add_argument(
         "--ssl-no-verify",
@@ -69,6 +72,18 @@ def add_arguments(parser):
         metavar="CMD",
         help="training command, split like a shell line (or SIMPLETUNER_WORKER_COMMAND; "
         "default: python -m simpletuner.train)",
+    )
+    parser.add_argument(
+        "--gpus",
+        metavar="LIST",
+        help="GPU indices this agent may use, e.g. 0,1,2,3 (or SIMPLETUNER_WORKER_GPUS; default: every GPU NVML sees); "
+        "on a node where NVML sees no GPU, declares that many GPU slots",
+    )
+    parser.add_argument(
+        "--advertise-address",
+        metavar="HOST",
+        help="address other workers reach this one at for a multi-node job's rendezvous (or SIMPLETUNER_WORKER_ADDRESS; "
+        "default: the address the orchestrator sees the agent at)",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="enable debug logging")
     return parser
@@ -110,6 +125,25 @@ def _env_seconds(env, name, default):
     return value
 
 
+def parse_gpus(raw, source="--gpus"):
+    """Return the GPU indices in ``raw`` (``"0,1,2,3"``) as a list of distinct non-negative integers, or None when
+    ``raw`` is absent or blank. Raise ConfigError for anything else."""
+    if raw is None or raw.strip() == "":
+        return None
+    indices = []
+    for part in raw.split(","):
+        text = part.strip()
+        if not (text.isascii() and text.isdigit()):
+            raise ConfigError(
+                f"{source} must be a comma-separated list of GPU indices, e.g. 0,1,2,3; got {raw!r}"
+            )
+        index = int(text)
+        if index in indices:
+            raise ConfigError(f"{source} names GPU {index} twice: {raw!r}")
+        indices.append(index)
+    return indices
+
+
 def resolve_config(args, env=None):
     """Return the AgentConfig for parsed ``args``; flags win over ``env``. Raise ConfigError."""
     env = os.environ if env is None else env
@@ -142,6 +176,14 @@ def resolve_config(args, env=None):
             raise ConfigError(f"--ca-cert {args.ca_cert}: no such file")
         verify = str(args.ca_cert)
     work_dir = args.work_dir or Path(env.get("SIMPLETUNER_WORK_DIR") or Path.home() / ".simpletuner" / "jobs")
+    gpus_flag = getattr(args, "gpus", None)
+    if gpus_flag is not None:
+        gpus = parse_gpus(gpus_flag)
+        if gpus is None:
+            raise ConfigError("--gpus is empty: give GPU indices, e.g. --gpus 0,1, or leave the flag out")
+    else:
+        gpus = parse_gpus(env.get("SIMPLETUNER_WORKER_GPUS"), "SIMPLETUNER_WORKER_GPUS")
+    address = (getattr(args, "advertise_address", None) or env.get("SIMPLETUNER_WORKER_ADDRESS") or "").strip() or None
     heartbeat = None
     if env.get("SIMPLETUNER_HEARTBEAT_INTERVAL"):
         heartbeat = _env_seconds(env, "SIMPLETUNER_HEARTBEAT_INTERVAL", DEFAULT_HEARTBEAT_INTERVAL)
@@ -156,6 +198,8 @@ def resolve_config(args, env=None):
         heartbeat_interval=heartbeat,
         cancel_grace=_env_seconds(env, "SIMPLETUNER_CANCEL_GRACE", DEFAULT_CANCEL_GRACE),
         verbose=args.verbose,
+        gpus=gpus,
+        advertise_address=address,
     )
 
 

@@ -23,6 +23,7 @@ FIX_TOKEN = (
     "the token may have been rotated: request a new one (admin → Workers → rotate token, or "
     "POST /api/admin/workers/{id}/token); check for whitespace in the token string"
 )
+FIX_BASE_URL = "pass the orchestrator's base URL, e.g. https://orchestrator.example.com:8001"
 FIX_TLS = (
     "use --ca-cert PATH with the orchestrator's CA certificate (or add it to the system trust store); "
     "--ssl-no-verify accepts any certificate (self-signed, development only)"
@@ -125,7 +126,8 @@ class OrchestratorClient:
         # A wrong scheme is looked for once, at the first failure that suggests it, and never once the orchestrator
         # has answered over this URL: then a reset or a closed connection is the network's, not the scheme's.
         self._scheme_probed = False
-        self._local = threading.local()  # in_call: this thread is inside a call interrupt() may break
+        # in_call: this thread is inside a call interrupt() may break; settling: that call is a registration
+        self._local = threading.local()
 
     def url(self, path):
         return f"{self.base_url}{path}"
@@ -134,7 +136,7 @@ class OrchestratorClient:
 
     def register(self, body: protocol.RegisterRequest) -> protocol.RegisterResponse:
         """POST REGISTER_PATH; return the response body (``worker_id``, ``resume_job``/``abandon_job``...)."""
-        result = self._call("POST", protocol.REGISTER_PATH, json=body)
+        result = self._call("POST", protocol.REGISTER_PATH, json=body, settling=True)
         self.worker_id = result.get("worker_id") or self.worker_id
         return result
 
@@ -180,21 +182,24 @@ class OrchestratorClient:
         """Use STOPPING_TIMEOUT from now on: the agent is leaving and must not wait long on anyone."""
         self.timeout = STOPPING_TIMEOUT
 
-    def interrupt(self):
+    def interrupt(self, *, force=False):
         """Break the call the current thread is blocked in (if any) by raising Interrupted into it.
 
         Meant for a signal handler: it runs on the main thread, between the interrupted system call
         and its retry, so the request ends at once (as a TransientError) instead of at its timeout.
-        Outside a call it does nothing.
+        Outside a call it does nothing. A registration in flight is broken only with ``force``: the
+        orchestrator may have registered the worker already, and only the answer's worker id lets the
+        agent disconnect it (cut short, the worker would stay online until its heartbeat timeout); it is
+        bounded by its own timeout.
         """
-        if getattr(self._local, "in_call", False):
+        if getattr(self._local, "in_call", False) and (force or not self._local.settling):
             self._local.in_call = False
             raise Interrupted()
 
     # --- transport and error sorting --------------------------------------------------------------
 
-    def _call(self, method, path, **kwargs):
-        self._local.in_call = True
+    def _call(self, method, path, *, settling=False, **kwargs):
+        self._local.in_call, self._local.settling = True, settling
         try:
             response = self._send(method, path, **kwargs)
             try:
@@ -236,6 +241,12 @@ class OrchestratorClient:
         response.close()
         detail = str(body.get("detail") or response.reason or "").strip()
         status = response.status_code
+        if status in (401, 403) and not body:
+            # Not the worker API's JSON but a web page: e.g. the admin's CSRF refusal under a URL ending in /admin.
+            raise FatalError(
+                f"{self.base_url} has no worker API (HTTP {status} for {path} did not come from a worker API)",
+                fix=FIX_BASE_URL,
+            )
         if status == 401:
             raise FatalError(f"invalid token: the orchestrator refused it ({detail or 'HTTP 401'})", fix=FIX_TOKEN)
         if status == 403:
@@ -248,10 +259,7 @@ class OrchestratorClient:
                 retry_after=_retry_after(response),
             )
         if status == 404 and path == protocol.REGISTER_PATH:
-            raise FatalError(
-                f"{self.base_url} has no worker API (HTTP 404 for {path})",
-                fix="pass the orchestrator's base URL, e.g. https://orchestrator.example.com:8001",
-            )
+            raise FatalError(f"{self.base_url} has no worker API (HTTP 404 for {path})", fix=FIX_BASE_URL)
         raise Rejected(f"{method} {path}: HTTP {status}{': ' + detail if detail else ''}", status=status)
 
     def _wrong_scheme(self):

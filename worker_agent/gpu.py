@@ -50,6 +50,9 @@ class GpuMonitor:
     ``nvml`` is the ``pynvml`` module (or a stand-in with the same functions), ``psutil_module``
     the ``psutil`` module and ``torch_probe`` a callable answering "is Apple MPS usable?". Without an
     NVIDIA driver the monitor works in "no NVIDIA" mode: it reports no GPUs and never raises.
+
+    ``use_gpus(indices)`` (``--gpus``) restricts it to those GPUs where NVML sees GPUs, and declares that
+    many GPU slots where it sees none (``slots()``).
     """
 
     def __init__(self, nvml=None, psutil_module=None, torch_probe=None):
@@ -74,6 +77,8 @@ class GpuMonitor:
             import psutil as psutil_module
         self._psutil = psutil_module
         self._torch_probe = torch_probe if torch_probe is not None else mps_available
+        self._only = None  # the NVML indices --gpus restricts the monitor to (None: every GPU NVML sees)
+        self._declared = None  # the GPU slots --gpus declares where NVML sees no GPU
         # The first cpu_percent(interval=None) measures from process start; prime it so the first
         # heartbeat reports the interval since the monitor was made.
         self._psutil.cpu_percent(interval=None)
@@ -100,6 +105,32 @@ class GpuMonitor:
             except self._nvml_errors as exc:
                 logger.debug("nvmlShutdown failed: %s", exc)
 
+    def use_gpus(self, indices):
+        """Use only the GPUs ``indices`` (``--gpus``): where NVML sees GPUs, capabilities and samples cover those
+        alone; where it sees none, they are declared GPU slots (``slots()``), never reported as NVIDIA GPUs.
+        Raise ValueError naming an index NVML does not see."""
+        indices = [int(index) for index in indices]
+        with self._lock:
+            seen = [index for index, _ in self._handles()]
+            if not seen:
+                self._declared = indices
+                return
+            missing = [index for index in indices if index not in seen]
+            if missing:
+                raise ValueError(
+                    f"--gpus names GPU {', '.join(map(str, missing))}, which NVML does not see "
+                    f"(it sees {', '.join(map(str, seen))})"
+                )
+            self._only = set(indices)
+
+    def slots(self):
+        """Return ``(indices, declared)``: the GPU indices jobs may be given (the GPUs NVML sees, restricted by
+        ``use_gpus``, or the declared ones) and whether they are declared (no NVIDIA GPU backs them)."""
+        if self._declared is not None:
+            return list(self._declared), True
+        with self._lock:
+            return [index for index, _ in self._handles()], False
+
     def _call(self, what, function, *args):
         """Return ``function(*args)``, or None (logged at debug) if NVML raises."""
         try:
@@ -117,6 +148,7 @@ class GpuMonitor:
         return [
             (index, self._call(f"handle of GPU {index}", nvml.nvmlDeviceGetHandleByIndex, index))
             for index in range(count)
+            if self._only is None or index in self._only
         ]
 
     def _cuda_version(self):
@@ -136,7 +168,8 @@ class GpuMonitor:
         Keys: ``gpu_count``, ``gpu_name``, ``gpu_vram_gb`` (GiB of the first GPU, 1 decimal),
         ``accelerator_type`` ("cuda", "mps" or "cpu"), ``driver_version``, ``cuda_version``,
         ``gpus`` (one ``{"index", "name", "uuid", "vram_gb"}`` per device) and ``gpu_info``, the
-        nested form the upstream agent sends (``driver`` there is the CUDA version).
+        nested form the upstream agent sends (``driver`` there is the CUDA version). Declared GPU slots
+        (``use_gpus`` without NVML GPUs) count in ``gpu_count`` alone: no name, no per-GPU entry, not "cuda".
         """
         with self._lock:
             nvml = self._nvml
@@ -168,8 +201,9 @@ class GpuMonitor:
         else:
             accelerator = "cpu"
         first = gpus[0] if gpus else {"name": "", "vram_gb": None}
+        count = len(self._declared) if self._declared is not None else len(gpus)
         return {
-            "gpu_count": len(gpus),
+            "gpu_count": count,
             "gpu_name": first["name"],
             "gpu_vram_gb": first["vram_gb"],
             "accelerator_type": accelerator,
@@ -179,7 +213,7 @@ class GpuMonitor:
             "gpu_info": {
                 "name": first["name"],
                 "vram_gb": first["vram_gb"],
-                "count": len(gpus),
+                "count": count,
                 "driver": cuda_version,
                 "accelerator": None if accelerator == "cpu" else accelerator,
             },

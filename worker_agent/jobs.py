@@ -3,20 +3,24 @@
 ``JobsMixin`` holds no state of its own: its methods run on the agent's main thread over the state
 ``Agent.__init__`` declares (agent.py).
 
-A dispatched job waits in ``pending_ack`` until its dispatch is acknowledged (docs/agent-guide.md,
-"What it does"); only then does its trainer start. A finished job's result is journaled (journal.py) before it
-is reported, and stays in ``pending_report`` until the orchestrator answers.
+Each job the agent holds has a ``JobSlot`` in ``Agent.slots`` from its dispatch until its result is
+delivered: the dispatch awaiting its acknowledgement (docs/agent-guide.md, "What it does"; only then does
+its trainer start), the running trainer, then the result, journaled (journal.py) before it is reported and
+held until the orchestrator answers. One job at a time holds a slot unless the orchestrator answered the
+registration with ``max_jobs`` > 1: then each job_submit starts at once on the GPUs it names.
 """
 
 import logging
-from dataclasses import dataclass
+import socket
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import journal, protocol, supervisor
 from . import progress as progress_protocol
 from .artifacts import ArtifactTransfer, TransferError
+from .backoff import Backoff
 from .client import FatalError, Refused, Rejected, TransientError
-from .runner import STOP_ABANDON, STOP_AGENT_EXIT, STOP_CANCEL, describe_exit, exit_report
+from .runner import STOP_ABANDON, STOP_AGENT_EXIT, STOP_CANCEL, WORKER_GPUS, describe_exit, exit_report
 
 logger = logging.getLogger("worker_agent")
 
@@ -28,6 +32,9 @@ FINISHED_ATTEMPTS_KEPT = 100
 DEFAULT_DISPATCH_ACK_TIMEOUT = 60.0
 ACK_RETRY_CAP = 10.0  # the acknowledgement's backoff cap: several tries fit in the deadline
 RECEIVED_KEY = "_received"  # added to a job_submit kept in ``waiting``: when it arrived (agent clock)
+REPORT_RETRY_CAP = 30.0
+# The job_submit fields that say where on the worker, and with whom, a job runs (protocol.JobSubmitEvent).
+PLACEMENT_FIELDS = ("gpu_indices", "num_nodes", "node_rank", "master_addr", "master_port")
 
 
 @dataclass
@@ -46,37 +53,126 @@ class PendingAck:
     due: float | None = None
 
 
-def _duration(seconds):
-    seconds = int(seconds or 0)
-    minutes, seconds = divmod(seconds, 60)
-    hours, minutes = divmod(minutes, 60)
-    if hours:
-        return f"{hours}h{minutes:02d}m"
-    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
+@dataclass
+class JobSlot:
+    """Everything the agent holds for one job: at most one of ``ack`` (its dispatch, not acknowledged yet),
+    ``run`` (its trainer) and ``report`` (its result, not delivered yet; ``journal`` is its outcome.json)."""
+
+    job_id: str
+    gpu_indices: tuple | None = None  # the GPUs it was given (None: the whole worker)
+    ack: PendingAck | None = None
+    run: object = None
+    report: dict | None = None
+    journal: Path | None = None
+    report_due: float | None = None
+    ack_backoff: Backoff = field(default_factory=lambda: Backoff(cap=ACK_RETRY_CAP))
+    report_backoff: Backoff = field(default_factory=lambda: Backoff(cap=REPORT_RETRY_CAP))
+    last_progress_report: float | None = None
+    reported_version: int = -1
+    last_console: float | None = None
+    console_version: int = -1
+
+    @property
+    def attempt(self):
+        """The attempt (lease id) the slot holds the job under, or None."""
+        if self.run is not None:
+            return self.run.attempt
+        if self.ack is not None:
+            return self.ack.attempt
+        if self.report is not None:
+            return self.report.get("attempt")
+        return None
+
+    @property
+    def holds_gpus(self):
+        """Whether its GPUs are taken: its dispatch will run, or its trainer runs."""
+        return self.ack is not None or self.run is not None
+
+
+def placement_of(data):
+    """Return the placement fields a job_submit carries (``PLACEMENT_FIELDS``), or None when it carries none."""
+    placement = {key: data[key] for key in PLACEMENT_FIELDS if data.get(key) is not None}
+    return placement or None
+
+
+def port_free(port):
+    """Whether nothing listens on TCP ``port`` of this host: rank 0's trainer must be able to listen there. Probed by
+    binding it (as a trainer would, SO_REUSEADDR) and closing at once, so nothing holds it when the trainer starts."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(("", port))
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class JobsMixin:
-    """One job at a time: submit, acknowledge, start, progress, the result (retried until delivered), cancel, abandon."""
+    """The jobs the agent holds, one ``JobSlot`` each: submit, acknowledge, start, progress, the result (retried until
+    delivered), cancel, abandon."""
+
+    # --- the slots ----------------------------------------------------------------------------
+
+    @property
+    def job(self):
+        """The first running trainer (JobRun), or None."""
+        return next((slot.run for slot in self.slots.values() if slot.run is not None), None)
+
+    @property
+    def pending_ack(self):
+        """The first dispatch awaiting its acknowledgement (PendingAck), or None."""
+        return next((slot.ack for slot in self.slots.values() if slot.ack is not None), None)
+
+    @property
+    def pending_report(self):
+        """``(job_id, body)`` of the first result not delivered yet, or None."""
+        return next(((slot.job_id, slot.report) for slot in self.slots.values() if slot.report is not None), None)
+
+    @property
+    def report_due(self):
+        """When the next undelivered result is reported again, or None."""
+        return min((s.report_due for s in self.slots.values() if s.report is not None and s.report_due is not None), default=None)
+
+    @property
+    def multi(self):
+        """Whether the orchestrator sends this agent several jobs at once (its register answer's ``max_jobs`` > 1)."""
+        return self.max_jobs > 1
+
+    def running_slots(self):
+        return [slot for slot in self.slots.values() if slot.run is not None]
+
+    def report_slots(self):
+        return [slot for slot in self.slots.values() if slot.report is not None]
+
+    def _holds(self, slot):
+        """Whether ``slot`` is still one of the agent's (a call made since may have ended it)."""
+        return self.slots.get(slot.job_id) is slot and self.exit_code is None
+
+    def _free(self, slot):
+        """Forget ``slot`` (its job ended here: not started, stopped unreported, or its result delivered)."""
+        if self.slots.get(slot.job_id) is slot:
+            del self.slots[slot.job_id]
 
     def current_job_id(self):
-        """Return the job this agent holds: running, awaiting its acknowledgement, or awaiting its result's delivery."""
-        if self.job is not None:
-            return self.job.job_id
-        if self.pending_ack is not None:
-            return self.pending_ack.job_id
-        if self.pending_report is not None:
-            return self.pending_report[0]
-        return None
+        """Return the first job this agent holds: running, awaiting its acknowledgement, or awaiting its result's delivery."""
+        return next(iter(self.slots), None)
 
     def current_attempt(self):
         """Return the attempt (lease id) of ``current_job_id()``, or None."""
-        if self.job is not None:
-            return self.job.attempt
-        if self.pending_ack is not None:
-            return self.pending_ack.attempt
-        if self.pending_report is not None:
-            return self.pending_report[1].get("attempt")
-        return None
+        slot = next(iter(self.slots.values()), None)
+        return slot.attempt if slot is not None else None
+
+    def held_jobs(self):
+        """Every job this agent holds, as ``protocol.RunningJob``s (the first is ``current_job_id()``)."""
+        return [{"job_id": slot.job_id, "attempt": slot.attempt} for slot in self.slots.values()]
+
+    # --- dispatches ---------------------------------------------------------------------------
 
     def on_job_submit(self, data):
         job_id, attempt = data.get("job_id"), data.get("attempt")
@@ -84,30 +180,95 @@ class JobsMixin:
             logger.warning("Ignoring a job_submit without job_id")
             return
         job_id = str(job_id)
-        if self.job is not None and self.job.job_id == job_id and attempt in (None, self.job.attempt):
+        slot = self.slots.get(job_id)
+        if slot is not None and slot.run is not None and attempt in (None, slot.run.attempt):
             return  # delivered again (replay or redelivery): already running it
-        ack = self.pending_ack
-        if ack is not None and ack.job_id == job_id:
-            if attempt in (None, ack.attempt):
+        if slot is not None and slot.ack is not None:
+            if attempt in (None, slot.ack.attempt):
                 return  # delivered again while its acknowledgement is under way
             # The orchestrator took the earlier dispatch back and dispatched the job anew: that one wins.
             logger.info(
-                "Job %s dispatched again (attempt %s); the earlier dispatch (%s) is dropped", job_id, attempt, ack.attempt
+                "Job %s dispatched again (attempt %s); the earlier dispatch (%s) is dropped", job_id, attempt, slot.ack.attempt
             )
-            self._drop_ack()
+            self._drop_ack(slot)
         if attempt and attempt in self.finished_attempts:
             return  # an old dispatch replayed after a reconnect
-        if self.pending_report is not None and self.pending_report[0] == job_id and attempt == self.pending_report[1].get("attempt"):
+        slot = self.slots.get(job_id)
+        if slot is not None and slot.report is not None and attempt == slot.report.get("attempt"):
             return
         if self.signals:
             logger.info("Job %s arrived while stopping; not started (the orchestrator requeues it at disconnect)", job_id)
             return
-        if self.job is not None or self.pending_ack is not None or self.pending_report is not None:
+        if not self._has_room(job_id, data):
             if all(w.get("attempt") != attempt or w.get("job_id") != job_id for w in self.waiting):
                 self.waiting.append({**data, RECEIVED_KEY: self.clock()})
                 logger.info("Job %s arrived while job %s is busy; it starts next", job_id, self.current_job_id())
             return
-        self.start_job(data)
+        self._take(data)
+
+    def _has_room(self, job_id, data=None):
+        """Whether a dispatch of ``job_id`` (the job_submit ``data``) may start now: one job at a time; or, several at
+        once, none of its own and none of its GPUs taken by a trainer being stopped. The orchestrator gives a job's
+        GPUs back once it decides the job is over here (an attempt superseded by an earlier one's completion, an
+        abandoned one), before its trainer has stopped: the dispatch waits for that, rather than being refused
+        (only a GPU a job runs on, not being stopped, refuses it: ``_placement_problem``)."""
+        if not self.multi:
+            return not self.slots
+        if job_id in self.slots:
+            return False
+        indices = (data or {}).get("gpu_indices")
+        if indices is not None and not isinstance(indices, list):
+            return True  # refused by _placement_problem
+        for slot in self.slots.values():
+            stopping = slot.run is not None and slot.run.stop_reason is not None
+            if stopping and (indices is None or slot.gpu_indices is None or set(indices) & set(slot.gpu_indices)):
+                return False
+        return True
+
+    def _take(self, data):
+        """Start the dispatch ``data``, or report it failed when where it is to run is impossible here."""
+        problem = self._placement_problem(data)
+        if problem is None:
+            self.start_job(data)
+            return
+        job_id, attempt = str(data["job_id"]), data.get("attempt")
+        logger.error("Job %s not started: %s", job_id, problem)
+        self._remember_attempt(attempt)
+        failure: protocol.JobReport = {"status": protocol.FAILED, "attempt": attempt, "error": f"not started on this worker: {problem}"}
+        self._queue_report(job_id, failure, journal_it=False)  # nothing ran: the orchestrator requeues it by its retry rules
+
+    def _placement_problem(self, data):
+        """Return why the job_submit ``data`` cannot run here (its GPUs, its rendezvous), or None."""
+        indices = data.get("gpu_indices")
+        mine = [slot for slot in self.slots.values() if slot.holds_gpus]
+        if indices is None:
+            if mine:
+                return f"it asks for the whole worker while job {mine[0].job_id} runs on it"
+        else:
+            if not isinstance(indices, list) or not indices or not all(_is_int(i) for i in indices) or len(set(indices)) != len(indices):
+                return f"gpu_indices must be a list of distinct GPU indices, got {indices!r}"
+            outside = [i for i in indices if i not in self.gpu_slots]
+            if outside:
+                slots = ",".join(map(str, self.gpu_slots)) or "none"
+                return f"GPU {','.join(map(str, outside))} is not one of this worker's GPUs ({slots})"
+            for slot in mine:
+                taken = set(indices) if slot.gpu_indices is None else set(indices) & set(slot.gpu_indices)
+                if taken:
+                    return f"GPU {','.join(map(str, sorted(taken)))} is in use by job {slot.job_id}"
+        nodes = data.get("num_nodes")
+        if nodes is not None and (not _is_int(nodes) or nodes < 1):
+            return f"num_nodes must be a whole number >= 1, got {nodes!r}"
+        if nodes is not None and nodes > 1:
+            rank, addr, port = data.get("node_rank"), data.get("master_addr"), data.get("master_port")
+            if not _is_int(rank) or not 0 <= rank < nodes:
+                return f"node_rank must be a whole number from 0 to {nodes - 1}, got {rank!r}"
+            if not isinstance(addr, str) or not addr.strip():
+                return f"a {nodes}-node job needs master_addr, got {addr!r}"
+            if not _is_int(port) or not 0 < port < 65536:
+                return f"a {nodes}-node job needs a master_port from 1 to 65535, got {port!r}"
+            if rank == 0 and not port_free(port):
+                return f"master_port {port} is in use on this worker (rank 0 listens there for the other members)"
+        return None
 
     # --- acknowledging a dispatch -------------------------------------------------------------
 
@@ -115,21 +276,23 @@ class JobsMixin:
         """Acknowledge the dispatch ``data`` (a job_submit); its trainer starts once that is accepted.
 
         Acknowledged by: ``starting`` answered 200; a heartbeat naming the job and attempt answered
-        with the job as the worker's current one; a re-register naming them answered with
-        ``resume_job``. Transient failures are retried with backoff until ``dispatch_ack_timeout``
+        with the job as the worker's; a re-register naming them answered with ``resume_job`` (or in
+        ``resume_jobs``). Transient failures are retried with backoff until ``dispatch_ack_timeout``
         after arrival; then the job is given up without running. A refusal drops it.
         """
         job_id, attempt = str(data["job_id"]), data.get("attempt")
         received = data.get(RECEIVED_KEY, self.clock())
-        self.pending_ack = PendingAck(
+        indices = data.get("gpu_indices")
+        slot = JobSlot(job_id=job_id, gpu_indices=tuple(indices) if indices is not None else None)
+        slot.ack = PendingAck(
             data=data, job_id=job_id, attempt=attempt, received=received, deadline=received + self.dispatch_ack_timeout
         )
-        self.ack_backoff.reset()
-        self.send_acknowledgement()
+        self.slots[job_id] = slot
+        self.send_acknowledgement(slot)
 
-    def send_acknowledgement(self):
-        """Send ``starting`` for the pending dispatch; start it, drop it, or schedule a retry, by the answer."""
-        ack = self.pending_ack
+    def send_acknowledgement(self, slot):
+        """Send ``starting`` for the slot's pending dispatch; start it, drop it, or schedule a retry, by the answer."""
+        ack = slot.ack
         ack.due = None
         acknowledgement: protocol.JobReport = {"status": protocol.STARTING, "attempt": ack.attempt}
         try:
@@ -142,12 +305,12 @@ class JobsMixin:
             return
         except Rejected as exc:
             logger.error("The orchestrator rejected the acknowledgement of job %s (%s); not started", ack.job_id, exc)
-            self._drop_ack()
+            self._drop_ack(slot)
             self._after_job(reported=False)
             return
         except TransientError as exc:
             now = self.clock()
-            delay = self.ack_backoff.next_delay(exc.retry_after or 0)
+            delay = slot.ack_backoff.next_delay(exc.retry_after or 0)
             ack.due = now + delay
             logger.warning(
                 "Could not acknowledge job %s (%s); not started yet: retrying in %.0fs (gives up in %.0fs)",
@@ -157,45 +320,56 @@ class JobsMixin:
                 max(ack.deadline - now, 0),
             )
             return
-        self._acknowledged("its starting report was accepted")
+        self._acknowledged(slot, "its starting report was accepted")
 
-    def check_acknowledgement(self):
-        """Give the pending dispatch up past its deadline, or send ``starting`` again when due."""
-        ack = self.pending_ack
-        now = self.clock()
-        if now >= ack.deadline:
-            logger.warning(
-                "Job %s not started: its dispatch (attempt %s) was not acknowledged within %.0fs; the orchestrator requeues it",
-                ack.job_id,
-                ack.attempt,
-                self.dispatch_ack_timeout,
-            )
-            self._drop_ack()
-            if self.registered:
-                # Say so at once: a registration without the job releases anything the orchestrator
-                # still holds for this worker (a `starting` applied whose answer was lost).
-                self.register_due = now
-            self._after_job(reported=False)
-        elif ack.due is not None and now >= ack.due:
-            self.send_acknowledgement()
+    def check_acknowledgements(self):
+        """Give each pending dispatch up past its deadline, or send ``starting`` again when due."""
+        for slot in [slot for slot in self.slots.values() if slot.ack is not None]:
+            if not self._holds(slot) or slot.ack is None:
+                continue
+            ack = slot.ack
+            now = self.clock()
+            if now >= ack.deadline:
+                logger.warning(
+                    "Job %s not started: its dispatch (attempt %s) was not acknowledged within %.0fs; the orchestrator requeues it",
+                    ack.job_id,
+                    ack.attempt,
+                    self.dispatch_ack_timeout,
+                )
+                self._drop_ack(slot)
+                if self.registered:
+                    # Say so at once: a registration without the job releases anything the orchestrator
+                    # still holds for this worker (a `starting` applied whose answer was lost).
+                    self.register_due = now
+                self._after_job(reported=False)
+            elif ack.due is not None and now >= ack.due:
+                self.send_acknowledgement(slot)
 
-    def _acknowledged(self, how):
-        """The pending dispatch is acknowledged: start its trainer."""
-        ack, self.pending_ack = self.pending_ack, None
-        self.ack_backoff.reset()
+    def _acknowledged(self, slot, how):
+        """The slot's pending dispatch is acknowledged: start its trainer."""
+        ack, slot.ack = slot.ack, None
+        slot.ack_backoff.reset()
         logger.debug("job %s acknowledged: %s", ack.job_id, how)
-        self._launch(ack.data)
+        self._launch(slot, ack.data)
 
-    def _drop_ack(self):
-        """Forget the pending dispatch without running it (its attempt is remembered as over)."""
-        if self.pending_ack is not None:
-            self._remember_attempt(self.pending_ack.attempt)
-        self.pending_ack = None
-        self.ack_backoff.reset()
+    def _drop_ack(self, slot):
+        """Forget the slot's pending dispatch without running it (its attempt is remembered as over)."""
+        if slot.ack is not None:
+            self._remember_attempt(slot.ack.attempt)
+        slot.ack = None
+        self._free(slot)
 
     # --- running a job ------------------------------------------------------------------------
 
-    def _launch(self, data):
+    def _placement(self, data):
+        """The job_submit's placement; a job given the whole worker on GPUs ``--gpus`` chose among those NVML sees
+        runs on those alone (``runner.WORKER_GPUS``)."""
+        placement = placement_of(data)
+        if self.config.gpus is not None and not self.gpu_slots_declared and not (placement or {}).get("gpu_indices"):
+            placement = {**(placement or {}), WORKER_GPUS: list(self.gpu_slots)}
+        return placement
+
+    def _launch(self, slot, data):
         job_id, attempt = str(data["job_id"]), data.get("attempt")
         label = data.get("config_name") or job_id
         transfer = None
@@ -210,11 +384,12 @@ class JobsMixin:
             attempt=attempt,
             config=data.get("config") or {},
             dataloader=data.get("dataloader"),
-            work_dir=self.config.work_dir,
+            work_dir=self.jobs_dir,
             command=self.command,
             on_exit=lambda finished: self.inbox.put(("job_exited", finished)),
             grace=self.config.cancel_grace,
             clock=self.clock,
+            placement=self._placement(data),
         )
         try:
             run.start()
@@ -228,27 +403,28 @@ class JobsMixin:
             failure: protocol.JobReport = {"status": protocol.FAILED, "attempt": attempt, "error": error}
             self._queue_report(job_id, failure)
             return
-        self.job = run
-        self.last_progress_report = None
-        self.reported_version = -1
-        self.console_version = -1
-        self.last_console = None  # the first progress line shows at once, then one every few seconds
+        slot.run = run
+        slot.last_progress_report = None
+        slot.reported_version = -1
+        slot.console_version = -1
+        slot.last_console = None  # the first progress line shows at once, then one every few seconds
         number = data.get("attempt_number")
+        gpus = f" on GPU {','.join(map(str, slot.gpu_indices))}" if slot.gpu_indices is not None else ""
         logger.info(
-            "Job %s started: %s%s, in %s", job_id, label, f" (attempt {number})" if number else "", run.job_dir
+            "Job %s started: %s%s%s, in %s", job_id, label, f" (attempt {number})" if number else "", gpus, run.job_dir
         )
-        self.report_progress(force=True)
+        self.report_progress(slot, force=True)
 
-    def report_progress(self, *, force=False):
-        run = self.job
+    def report_progress(self, slot, *, force=False):
+        run = slot.run
         now = self.clock()
         progress, version = run.snapshot()
         if not force:
-            if version == self.reported_version:
+            if version == slot.reported_version:
                 return
-            if self.last_progress_report is not None and now - self.last_progress_report < PROGRESS_REPORT_INTERVAL:
+            if slot.last_progress_report is not None and now - slot.last_progress_report < PROGRESS_REPORT_INTERVAL:
                 return
-        self.last_progress_report = now
+        slot.last_progress_report = now
         body: protocol.JobReport = {
             "status": protocol.RUNNING,
             "attempt": run.attempt,
@@ -269,19 +445,19 @@ class JobsMixin:
         except (TransientError, Rejected) as exc:
             logger.debug("progress report for job %s failed: %s", run.job_id, exc)
             return
-        self.reported_version = version
+        slot.reported_version = version
         run.log_sent(chunk)
 
-    def _console_progress(self):
-        run = self.job
+    def _console_progress(self, slot):
+        run = slot.run
         progress, version = run.snapshot()
         now = self.clock()
-        if not progress or version == self.console_version:
+        if not progress or version == slot.console_version:
             return
-        if self.last_console is not None and now - self.last_console < CONSOLE_PROGRESS_INTERVAL:
+        if slot.last_console is not None and now - slot.last_console < CONSOLE_PROGRESS_INTERVAL:
             return
-        self.console_version = version
-        self.last_console = now
+        slot.console_version = version
+        slot.last_console = now
         logger.info("Job %s: %s", run.job_id, progress_protocol.format_progress(progress))
 
     def _refused(self, job_id, exc):
@@ -293,19 +469,20 @@ class JobsMixin:
 
     def on_job_cancel(self, data):
         job_id = str(data.get("job_id") or "")
-        if self.job is not None and self.job.job_id == job_id:
-            if self.job.stop_reason is None:
+        slot = self.slots.get(job_id)
+        if slot is not None and slot.run is not None:
+            if slot.run.stop_reason is None:
                 logger.info("Job %s cancelled by the orchestrator; stopping it", job_id)
-                self.job.stop(STOP_CANCEL)
+                slot.run.stop(STOP_CANCEL)
             return
-        ack = self.pending_ack
-        if ack is not None and ack.job_id == job_id and data.get("attempt") in (None, ack.attempt):
+        if slot is not None and slot.ack is not None and data.get("attempt") in (None, slot.ack.attempt):
             logger.info("Job %s cancelled by the orchestrator before it started; not started", job_id)
-            self._drop_ack()
+            attempt = slot.ack.attempt
+            self._drop_ack(slot)
             # Nothing ran: reported (not journaled) so that the orchestrator frees this worker at once.
             cancelled: protocol.JobReport = {
                 "status": protocol.CANCELLED,
-                "attempt": ack.attempt,
+                "attempt": attempt,
                 "error": "cancelled before it started",
             }
             self._queue_report(job_id, cancelled, journal_it=False)
@@ -318,37 +495,43 @@ class JobsMixin:
     def abandon(self, job_id, reason):
         """The orchestrator says ``job_id`` is no longer ours: stop its trainer without reporting it, or drop
         its dispatch if not started yet; a result held for it is reported once more (the report decides)."""
-        if self.job is not None and self.job.job_id == job_id:
+        slot = self.slots.get(job_id)
+        if slot is None:
+            return
+        if slot.run is not None:
             logger.warning("Abandoning job %s: %s", job_id, reason)
-            self.job.stop(STOP_ABANDON)
-        elif self.pending_ack is not None and self.pending_ack.job_id == job_id:
+            slot.run.stop(STOP_ABANDON)
+        elif slot.ack is not None:
             logger.warning("Dropping job %s before it started: %s", job_id, reason)
-            self._drop_ack()
+            self._drop_ack(slot)
             self._after_job(reported=False)
-        elif self.pending_report is not None and self.pending_report[0] == job_id:
+        elif slot.report is not None:
             # Only the report itself decides about a result: the orchestrator accepts the completion
             # of an attempt it took back while nothing else runs the job. Try it now.
             logger.info("Job %s is no longer this worker's (%s); reporting its result once more now", job_id, reason)
-            self.report_due = self.clock()
-            self.deliver_report()
+            slot.report_due = self.clock()
+            self.deliver_report(slot)
 
     def on_job_exit(self, run):
-        if run is not self.job:
+        slot = next((slot for slot in self.slots.values() if slot.run is run), None)
+        if slot is None:
             return
-        self.job = None
+        slot.run = None
         self._remember_attempt(run.attempt)
-        took = _duration((run.finished_at or self.clock()) - (run.started_at or self.clock()))
+        took = progress_protocol.format_seconds((run.finished_at or self.clock()) - (run.started_at or self.clock()))
         code = run.returncode
         body = exit_report(
             run.attempt, code, run.stop_reason, progress=run.snapshot()[0], log_tail=run.log_tail(), last_line=run.last_line()
         )
         if body is None:
             supervisor.settle(run.job_dir)
+            self._free(slot)
             if run.stop_reason == STOP_AGENT_EXIT:
                 # Not reported as a result: disconnecting hands the job back to the queue and takes this
                 # worker offline in one step, so the requeued job cannot be dispatched straight back here.
                 logger.info("Job %s stopped after %s (worker shutting down)", run.job_id, took)
-                self.leave("stopped by signal; the orchestrator requeues the job")
+                if not self.slots:
+                    self.leave("stopped by signal; the orchestrator requeues the job")
                 return
             logger.info("Job %s stopped (%s); not reported", run.job_id, describe_exit(code))
             self._after_job(reported=False)
@@ -373,48 +556,55 @@ class JobsMixin:
         """Hold ``body`` as ``job_id``'s result and report it; journal it to disk first unless told not to."""
         path = None
         if journal_it:
-            job_dir = Path(self.config.work_dir) / job_id
+            job_dir = Path(self.jobs_dir) / job_id
             try:
-                path = journal.write_outcome(job_dir, job_id, body)
+                path = journal.write_outcome(job_dir, job_id, body, worker_id=self.worker_id)
             except OSError as exc:
                 logger.warning("Could not write the result of job %s to disk (%s); it is held in memory only", job_id, exc)
             else:
                 supervisor.settle(job_dir)  # the outcome supersedes the supervisor's record of the exit
-        self.pending_report = (job_id, body)
-        self.pending_journal = path
-        self.report_backoff.reset()
-        self.report_due = self.clock()
-        self.deliver_report()
+        slot = self.slots.get(job_id)
+        if slot is None:
+            slot = self.slots[job_id] = JobSlot(job_id=job_id)
+        slot.report = body
+        slot.journal = path
+        slot.report_backoff.reset()
+        slot.report_due = self.clock()
+        self.deliver_report(slot)
 
-    def deliver_report(self):
-        """Report the held result; retry a transient failure later, or (when stopping) exit keeping it on disk."""
-        job_id, body = self.pending_report
-        answer = self._send_result(job_id, body, self.pending_journal)
+    def deliver_report(self, slot):
+        """Report the slot's result; retry a transient failure later, or (stopping, no trainer left) exit keeping it on disk."""
+        answer = self._send_result(slot.job_id, slot.report, slot.journal)
         if answer is None:
             return  # fatal
         if isinstance(answer, TransientError):
-            if self.signals:
+            if self.signals and not self.running_slots():
                 self._exit_keeping_result(answer)
                 return
-            delay = self.report_backoff.next_delay(answer.retry_after or 0)
-            logger.warning("Could not report job %s (%s); retrying in %.0fs", job_id, answer.message, delay)
-            self.report_due = self.clock() + delay
+            delay = slot.report_backoff.next_delay(answer.retry_after or 0)
+            logger.warning("Could not report job %s (%s); retrying in %.0fs", slot.job_id, answer.message, delay)
+            slot.report_due = self.clock() + delay
             return
-        self.pending_report = None
-        self.pending_journal = None
-        self.report_due = None
+        slot.report = None
+        slot.journal = None
+        slot.report_due = None
+        self._free(slot)
         self._after_job(reported=True)
-
-    def _send_result(self, job_id, body, path, *, minimal=False):
+    def _send_result(self, job_id, body, path, *, minimal=False, legacy=False):
         """Report a result; return True once the orchestrator answered (the journal is then marked
         delivered), the TransientError to retry after, or None after a fatal error.
 
         A result rejected as sent (4xx: e.g. an output the orchestrator cannot take) is sent once more
         in its minimal form (``protocol.minimal_report``: no log, no progress), which it always accepts.
+        A ``legacy`` result (an older agent's, of no known worker) that the orchestrator says is not this
+        worker's job is left on disk untouched, for the agent of the worker it is.
         """
         try:
             self.client.report(job_id, body)
         except Refused as exc:
+            if legacy and exc.code == protocol.JOB_NOT_OWNED:
+                logger.info("Job %s is not this worker's: its result (%s) is left for its own worker's agent", job_id, path)
+                return True
             logger.warning("The orchestrator refused the result of job %s: %s", job_id, exc.message)
         except FatalError as exc:
             self.fatal(exc)
@@ -428,24 +618,24 @@ class JobsMixin:
                     job_id,
                     exc,
                 )
-                return self._send_result(job_id, protocol.minimal_report(body), path, minimal=True)
+                return self._send_result(job_id, protocol.minimal_report(body), path, minimal=True, legacy=legacy)
             logger.error("The orchestrator rejected the result of job %s: %s", job_id, exc)
         if path is not None:
             journal.mark_delivered(path)
         return True
 
     def _exit_keeping_result(self, exc):
-        """Stopping, and the result cannot be delivered now: exit 0 and leave it to the next start.
+        """Stopping, and a result cannot be delivered now: exit 0 and leave the results held to the next start.
 
-        No disconnect: the orchestrator keeps the job on this worker, so the result reported at the
+        No disconnect: the orchestrator keeps the jobs on this worker, so a result reported at the
         next start is applied as any other.
         """
-        job_id = self.pending_report[0]
-        if self.pending_journal is not None:
-            where = f"kept in {self.pending_journal}; the agent reports it when it starts again"
-        else:
-            where = "it could not be written to disk and is lost"
-        logger.warning("Exiting without delivering the result of job %s (%s): %s", job_id, exc.message, where)
+        for slot in self.report_slots():
+            if slot.journal is not None:
+                where = f"kept in {slot.journal}; the agent reports it when it starts again"
+            else:
+                where = "it could not be written to disk and is lost"
+            logger.warning("Exiting without delivering the result of job %s (%s): %s", slot.job_id, exc.message, where)
         self.exit_code = 0
 
     def deliver_journaled(self):
@@ -455,8 +645,9 @@ class JobsMixin:
         orchestrator take it back first. A transient failure schedules the next try (``register_due``).
         """
         while self.journaled:
-            path, job_id, body = self.journaled[0]
-            answer = self._send_result(job_id, {**body, "journal": True}, path)  # says it was read back from disk
+            (path, job_id, body), legacy = self.journaled[0]
+            # "journal": says it was read back from disk
+            answer = self._send_result(job_id, {**body, "journal": True}, path, legacy=legacy)
             if answer is None:
                 return False
             if isinstance(answer, TransientError):
@@ -467,6 +658,8 @@ class JobsMixin:
                     self.register_due = self.clock() + delay
                 return False
             self.journaled.pop(0)
+            if legacy and path.exists():
+                continue  # another worker's job: left in place for its agent (said by _send_result)
             self._remember_attempt(body.get("attempt"))
             logger.info(
                 "Reported the result of job %s (attempt %s: %s) kept from before this agent started",
@@ -482,15 +675,31 @@ class JobsMixin:
             del self.finished_attempts[:-FINISHED_ATTEMPTS_KEPT]
 
     def _after_job(self, *, reported):
+        """A job ended here (not started, stopped unreported, or its result delivered): leave once the last one
+        has when stopping, drained or ephemeral; else start what waits."""
         if reported:
             self.jobs_reported += 1
+        if self.exit_code is not None:
+            return
         if self.signals:
-            self.leave("stopping after the signal")
-        elif reported and not self.config.persistent:
-            self.leave("ephemeral worker: its job is done")
+            if not self.slots:
+                self.leave("stopping after the signal")
+        elif self.jobs_reported and not self.config.persistent:
+            if not self.slots:
+                self.leave("ephemeral worker: its job is done")
         elif self.draining:
-            self._idle_drained()
-        elif self.waiting:
-            self.start_job(self.waiting.pop(0))  # a refusal comes back here for the next one
+            if not self.slots:
+                self._idle_drained()
         else:
-            logger.info("Waiting for jobs")
+            self._start_waiting()
+            if not self.slots:
+                logger.info("Waiting for jobs")
+
+    def _start_waiting(self):
+        """Start the dispatches that arrived while their room was taken, in order, while there is room."""
+        while self.exit_code is None and not self.signals and not self.draining:
+            ready = next((w for w in self.waiting if self._has_room(str(w.get("job_id")), w)), None)
+            if ready is None:
+                return
+            self.waiting.remove(ready)
+            self._take(ready)  # a refusal comes back through _after_job, which starts the next one

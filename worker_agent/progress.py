@@ -16,6 +16,12 @@ Every field is optional:
 - ``epoch``: number >= 0.
 - ``loss``: finite number.
 - ``learning_rate``: finite number >= 0.
+- ``eta_seconds``: finite number >= 0, the trainer's estimate of the time left.
+- ``stage``: object, what the trainer is doing now: ``key`` (string, e.g. ``"checkpoint_save"``),
+  ``label`` (string, e.g. ``"Saving Checkpoint"``), ``status`` (string: ``running``, ``completed``,
+  ``failed``), ``message`` (string), and the stage's own ``current``, ``total`` (numbers >= 0) and
+  ``percent`` (0 to 100). Strings are cut to 200 characters; a stage needs a ``key`` or a ``label``.
+  A new stage replaces the previous one whole.
 - ``metrics``: object mapping a name (at most 64 characters) to a finite number; the first 32
   entries count.
 - ``message``: string, cut to 200 characters.
@@ -34,11 +40,16 @@ import json
 import math
 import sys
 
+from .text import first_line
+
 MARKER = "SIMPLETUNER_PROGRESS "
 
 MAX_MESSAGE_CHARS = 200
 MAX_METRICS = 32
 MAX_METRIC_NAME_CHARS = 64
+CONSOLE_METRICS = 4  # metrics shown in the agent's console line (all of them are reported)
+STAGE_TEXT_FIELDS = ("key", "label", "status", "message")
+STAGE_NUMBER_FIELDS = ("current", "total")
 
 
 def _number(value):
@@ -80,6 +91,34 @@ def _clamp(fraction):
     return min(max(fraction, 0.0), 1.0)
 
 
+def _text(value):
+    """Return ``value`` as one stripped line of at most MAX_MESSAGE_CHARS, or None if it is not a non-blank string."""
+    if not isinstance(value, str):
+        return None
+    value = first_line(value, MAX_MESSAGE_CHARS)
+    return value or None
+
+
+def _stage(value):
+    if not isinstance(value, dict):
+        return None
+    stage = {}
+    for name in STAGE_TEXT_FIELDS:
+        text = _text(value.get(name))
+        if text is not None:
+            stage[name] = text
+    if "key" not in stage and "label" not in stage:
+        return None
+    for name in STAGE_NUMBER_FIELDS:
+        number = _number(value.get(name))
+        if number is not None and number >= 0:
+            stage[name] = int(number) if number.is_integer() else number
+    percent = _number(value.get("percent"))
+    if percent is not None:
+        stage["percent"] = min(max(percent, 0.0), 100.0)
+    return stage
+
+
 def normalise(fields):
     """Return the valid protocol fields of ``fields`` (a decoded JSON object), plus ``fraction``.
 
@@ -107,12 +146,18 @@ def normalise(fields):
     learning_rate = _number(fields.get("learning_rate"))
     if learning_rate is not None and learning_rate >= 0:
         update["learning_rate"] = learning_rate
+    eta_seconds = _number(fields.get("eta_seconds"))
+    if eta_seconds is not None and eta_seconds >= 0:
+        update["eta_seconds"] = eta_seconds
     metrics = _metrics(fields.get("metrics"))
     if metrics is not None:
         update["metrics"] = metrics
-    message = fields.get("message")
-    if isinstance(message, str) and message.strip():
-        update["message"] = message.strip()[:MAX_MESSAGE_CHARS]
+    message = _text(fields.get("message"))
+    if message is not None:
+        update["message"] = message
+    stage = _stage(fields.get("stage"))
+    if stage is not None:
+        update["stage"] = stage
     return update
 
 
@@ -181,11 +226,32 @@ def format_progress(progress):
         parts.append(f"loss {_decimal(progress['loss'])}")
     if progress.get("learning_rate") is not None:
         parts.append(f"lr {progress['learning_rate']:.2e}")
-    for name, value in (progress.get("metrics") or {}).items():
+    for name, value in list((progress.get("metrics") or {}).items())[:CONSOLE_METRICS]:
         parts.append(f"{name} {_decimal(value)}")
+    if progress.get("eta_seconds") is not None:
+        parts.append(f"eta {format_seconds(progress['eta_seconds'])}")
+    stage = progress.get("stage")
+    if stage:
+        parts.append(f"[{format_stage(stage)}]")
     if progress.get("message"):
         parts.append(f"- {progress['message']}")
     return " ".join(parts) if parts else "no progress reported"
+
+
+def format_seconds(seconds):
+    """Return a duration as "42s", "3m05s" or "2h07m"."""
+    seconds = int(round(seconds))
+    minutes, seconds = divmod(seconds, 60)
+    hours, minutes = divmod(minutes, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
+
+
+def format_stage(stage):
+    """Return a stage as "Saving Checkpoint: running"."""
+    name = stage.get("label") or stage.get("key") or "stage"
+    return f"{name}: {stage['status']}" if stage.get("status") else name
 
 
 def _plain(value):

@@ -12,6 +12,11 @@ from typing import Literal, TypedDict  # no NotRequired: the agent supports Pyth
 # --- HTTP ----------------------------------------------------------------------------------------
 
 WORKER_TOKEN_HEADER = "X-Worker-Token"
+# Our agent's own process instance: a random id sent on every request, the same for the process's life. A
+# stream or registration with another instance (or none, as SimpleTuner's released agent sends) is another
+# agent on the worker's token, which takes the worker over; one with the same instance is a reconnect.
+AGENT_INSTANCE_HEADER = "X-Agent-Instance"
+AGENT_INSTANCE_MAX_CHARS = 64  # letters, digits, "-" and "_"
 API_PREFIX = "/api/workers/"
 REGISTER_PATH = "/api/workers/register"
 HEARTBEAT_PATH = "/api/workers/heartbeat"
@@ -34,6 +39,9 @@ UPLOAD_TOKEN_HEADER = "X-Upload-Token"
 UPLOAD_SECRET_HEADER = "X-SimpleTuner-Secret"  # the same token, as SimpleTuner's publishing providers send it
 # POST: the attempt declares the checkpoint of ``step`` complete (all its files uploaded).
 CHECKPOINT_COMPLETE_PATH = "/api/cloud/checkpoints/{step}/complete"
+# On a PUT of a checkpoint's file: the uploader declares that checkpoint complete itself once all its files are
+# stored (our agent, for a trainer's finished checkpoint); until then the attempt speaking does not complete it.
+CHECKPOINT_DECLARES_HEADER = "X-Checkpoint-Declares"
 # What the agent hands the trainer (SimpleTuner reads these names).
 UPLOAD_ENDPOINT_ENV = "SIMPLETUNER_UPLOAD_ENDPOINT"
 UPLOAD_TOKEN_ENV = "SIMPLETUNER_UPLOAD_TOKEN"
@@ -85,7 +93,7 @@ STREAM_OPEN = "stream-open"  # django-eventstream's first event on every stream,
 EventType = Literal["job_submit", "job_cancel", "drain", "shutdown", "ping", "stream-reset"]
 
 
-class JobSubmitEvent(TypedDict):
+class _JobSubmitEventBase(TypedDict):
     type: Literal["job_submit"]
     job_id: str
     config_name: str
@@ -96,6 +104,22 @@ class JobSubmitEvent(TypedDict):
     attempt: str  # the attempt's lease id: echoed in every report about this attempt
     attempt_number: int
     resume: "ResumeCheckpoint | None"  # the latest complete checkpoint of an earlier attempt, if any
+
+
+class JobSubmitEvent(_JobSubmitEventBase, total=False):
+    """Sent only to an agent that registered with ``max_jobs`` (ours): where on the worker, and with whom, the job runs.
+
+    ``gpu_indices``: the worker's GPUs (out of its ``gpu_slots``) this job runs on: the trainer's
+    CUDA_VISIBLE_DEVICES, and the config's ``accelerate_visible_devices``; absent, the job has the whole worker.
+    A multi-node job (``num_nodes`` > 1) also carries this member's ``node_rank``, and rank 0's
+    ``master_addr`` and ``master_port`` (GANG_ENV and GANG_CONFIG_KEYS say where each goes).
+    """
+
+    gpu_indices: list  # of int
+    num_nodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
 
 
 class CheckpointFile(TypedDict):
@@ -129,9 +153,13 @@ class JobCancelEvent(TypedDict):
     attempt: str | None
 
 
-class DrainEvent(TypedDict):
+class _DrainEventBase(TypedDict):
     type: Literal["drain"]
     current_job_id: str | None
+
+
+class DrainEvent(_DrainEventBase, total=False):
+    job_ids: list  # every job the worker runs: an agent with ``max_jobs`` finishes each (and leaves as drain says)
 
 
 class _ShutdownEventBase(TypedDict):
@@ -141,14 +169,19 @@ class _ShutdownEventBase(TypedDict):
 
 class ShutdownEvent(_ShutdownEventBase, total=False):
     code: str  # one of SHUTDOWN_CODES: what an agent decides on
+    agent_name: str  # AGENT_REPLACED: the name the agent that took over registered with (its --name)
+    agent_host: str  # AGENT_REPLACED: and its host
 
 
 # Why the orchestrator ends a worker's stream for good (the ``code`` of a ``shutdown`` event).
 TOKEN_REVOKED = "token_revoked"  # rotated or re-issued: the agent needs a new token
 WORKER_DELETED = "worker_deleted"  # the worker no longer exists: the agent needs a new registration
-SHUTDOWN_CODES = frozenset({TOKEN_REVOKED, WORKER_DELETED})
+# Another agent registered or opened a stream with this worker's token and serves it now: this one must stop
+# (it gets no job any more; a job it ran was taken back when the other agent registered).
+AGENT_REPLACED = "agent_replaced"
+SHUTDOWN_CODES = frozenset({TOKEN_REVOKED, WORKER_DELETED, AGENT_REPLACED})
 # Shutdown codes after which retrying with the same token can never succeed.
-CREDENTIAL_SHUTDOWN_CODES = SHUTDOWN_CODES
+CREDENTIAL_SHUTDOWN_CODES = frozenset({TOKEN_REVOKED, WORKER_DELETED})
 
 
 # --- what an agent reports -----------------------------------------------------------------------
@@ -183,12 +216,33 @@ HEARTBEAT_METRIC_FIELDS = (
 )
 
 
+MAX_JOBS_MAX = 64  # the most jobs one worker runs side by side: an agent with more GPU slots offers this many
+
+
+class RunningJob(TypedDict):
+    job_id: str
+    attempt: str | None
+
+
 class RegisterRequest(TypedDict, total=False):
     name: str
     worker_id: str | None
     persistent: bool | None
-    current_job_id: str | None  # the job the agent still runs, if any
+    current_job_id: str | None  # the job the agent still runs, if any (with max_jobs: the first of running_jobs)
     current_attempt: str | None  # and the attempt (lease) it runs it under
+    # Ours: several jobs at once. ``max_jobs`` > 1 says the agent runs that many jobs side by side, each on its own
+    # GPUs out of ``gpu_slots`` (the indices it may use: --gpus; all it sees by default); ``gpu_slots_declared``
+    # is true when no NVIDIA GPU backs them (declared on a CPU node, or in tests). ``running_jobs``: every job it
+    # runs or holds the result of, with its attempt. ``advertise_address``: where other workers reach this one for
+    # a multi-node job's rendezvous (--advertise-address; absent: the address the orchestrator sees it at).
+    max_jobs: int
+    gpu_slots: list  # of int
+    gpu_slots_declared: bool
+    running_jobs: list  # of RunningJob
+    advertise_address: str
+    # Ours: the agent runs a member of a multi-node job (a job_submit's num_nodes, node_rank, master_addr,
+    # master_port). SimpleTuner's released agent does not say so, and is never made a member of one.
+    multi_node: bool
     gpu_info: dict | None  # the upstream agent's nested capabilities: name, vram_gb, count, driver, accelerator
     gpu_count: int  # the spec's flat capabilities (either shape is accepted)
     gpu_name: str
@@ -229,23 +283,57 @@ class RegisterResponse(_RegisterResponseBase, total=False):
     name: str  # the name operators know the worker by (the agent's own --name may differ)
     resume_job: ResumeJob  # the job it reported is still its own: carry on
     abandon_job: str  # the job it reported is not its own any more: stop it
+    # To an agent that registered with max_jobs: the same for each of its running_jobs, and the most jobs it is sent
+    # at once (1 from an orchestrator that does not pack; the agent then runs one job at a time, as SimpleTuner's does).
+    resume_jobs: list  # of ResumeJob
+    abandon_jobs: list  # of job ids
+    max_jobs: int
+
+
+class HeartbeatJob(TypedDict, total=False):
+    job_id: str
+    attempt: str | None  # naming it acknowledges that job's dispatch, as ``attempt`` does for current_job_id
+    progress: dict | float | None
+    log_tail: list | str | None
 
 
 class HeartbeatRequest(TypedDict, total=False):
     worker_id: str | None
-    status: AgentStatus
+    status: AgentStatus  # busy while any job runs
     current_job_id: str | None
     attempt: str | None  # the attempt of current_job_id; naming it acknowledges a dispatch
     progress: dict | float | None
     log_tail: list | str | None
+    jobs: list  # of HeartbeatJob: with max_jobs, every job the agent runs (current_job_id is the first)
     # plus any of HEARTBEAT_METRIC_FIELDS
 
 
-class HeartbeatResponse(TypedDict):
+class _HeartbeatResponseBase(TypedDict):
     status: str
     draining: bool
     current_job_id: str | None
     current_attempt: str | None  # the attempt of the job the heartbeat named; another one was not acknowledged
+
+
+class HeartbeatResponse(_HeartbeatResponseBase, total=False):
+    jobs: list  # of RunningJob: to a heartbeat with ``jobs``, every job the orchestrator holds on the worker
+
+
+# --- several jobs per worker, jobs across workers: what the trainer is given --------------------------------
+# The trainer's environment: its GPUs, and for a multi-node job the rendezvous as torchrun names it.
+VISIBLE_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
+GANG_ENV = {"master_addr": "MASTER_ADDR", "master_port": "MASTER_PORT", "node_rank": "NODE_RANK", "num_nodes": "NNODES"}
+# SimpleTuner's config keys (its DISTRIBUTED.md), written in the config's own style (``--key`` or ``key``):
+# the GPUs and processes of this node, and for a multi-node job the machines and the rendezvous.
+VISIBLE_DEVICES_CONFIG_KEY = "accelerate_visible_devices"
+NUM_PROCESSES_CONFIG_KEY = "num_processes"  # GPUs of this node x num_nodes
+GANG_CONFIG_KEYS = {
+    "num_nodes": "num_machines",
+    "node_rank": "machine_rank",
+    "master_addr": "main_process_ip",
+    "master_port": "main_process_port",
+}
+SAME_NETWORK_CONFIG_KEY = "same_network"  # true for a multi-node job
 
 
 class JobReport(TypedDict, total=False):

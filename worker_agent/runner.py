@@ -1,8 +1,6 @@
 """Runs one training job: its directory, its config files, its process group, its output and progress."""
 
-import collections
 import errno
-import itertools
 import json
 import logging
 import os
@@ -15,23 +13,19 @@ import threading
 import time
 from pathlib import Path
 
+from . import checkpoints
+from . import layout, protocol, supervisor, webhooks
 from . import progress as progress_protocol
-from . import protocol
-from . import supervisor
 from .artifacts import MANIFEST_FILE, TransferError
+from .output import ERROR_FILE, LOG_FILE, REPORTED_TAIL_LINES, Output, read_log, split_lines, write_error  # noqa: F401 - read_log: journal.py
 from .supervisor import parent_death_signal  # noqa: F401 - the harnesses and the local worker use it from here
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_COMMAND = (sys.executable, "-m", "simpletuner.train")
-TAIL_LINES = 200  # kept in memory; the last REPORTED_TAIL_LINES are sent to the orchestrator
-UNSENT_MAX_LINES = 20_000  # output lines kept until the orchestrator has them (older ones are then lost, and said so)
-REPORTED_TAIL_LINES = 50
-MAX_LINE_CHARS = 2000
 FOLLOW_INTERVAL = 0.1  # how often the agent looks for new output in train.log, in seconds
 CONFIG_FILE = "config.json"
 DATALOADER_FILE = "multidatabackend.json"
-LOG_FILE = "train.log"
 # Environment the trainer must not inherit: the worker's own secrets.
 SCRUBBED_ENV = ("SIMPLETUNER_WORKER_TOKEN",)
 SUPERVISOR = os.path.abspath(supervisor.__file__)  # run by path, isolated: see supervisor.py
@@ -89,6 +83,48 @@ def recorded_stop(job_dir, attempt):
     return record.get("reason")
 
 
+def placement_config(config, placement):
+    """Return the config keys a job's ``placement`` (its job_submit's PLACEMENT_FIELDS, or None) sets, named in
+    ``config``'s own key style: with ``gpu_indices``, SimpleTuner's ``accelerate_visible_devices`` (the indices,
+    comma-joined) and ``num_processes`` (their count x ``num_nodes``); for a multi-node job, its machines and
+    rendezvous (``protocol.GANG_CONFIG_KEYS``) and ``same_network``. Nothing without a placement."""
+    placement = placement or {}
+    nodes = placement.get("num_nodes") or 1
+    keys = {}
+    indices = placement.get("gpu_indices")
+    if indices is not None:
+        keys[protocol.VISIBLE_DEVICES_CONFIG_KEY] = ",".join(str(index) for index in indices)
+        keys[protocol.NUM_PROCESSES_CONFIG_KEY] = len(indices) * nodes
+    if nodes > 1:
+        for field, name in protocol.GANG_CONFIG_KEYS.items():
+            keys[name] = placement[field]
+        keys[protocol.SAME_NETWORK_CONFIG_KEY] = True
+    return {layout.config_key(config, name): value for name, value in keys.items()}
+
+
+# Not sent by the orchestrator: the agent's own placement of a job given the whole worker while ``--gpus`` restricts
+# it to some of the node's GPUs: the trainer sees those alone (its config is left as it is).
+WORKER_GPUS = "worker_gpus"
+
+
+def placement_env(placement):
+    """Return the environment a job's ``placement`` sets: ``CUDA_VISIBLE_DEVICES`` (with ``CUDA_DEVICE_ORDER``
+    PCI_BUS_ID, so that CUDA numbers the GPUs as NVML does) for its ``gpu_indices`` (else the ``WORKER_GPUS``
+    of a whole worker restricted by ``--gpus``), and for a multi-node job the rendezvous as torchrun names it
+    (``protocol.GANG_ENV``). Nothing without a placement."""
+    placement = placement or {}
+    env = {}
+    indices = placement.get("gpu_indices")
+    if indices is None:
+        indices = placement.get(WORKER_GPUS)
+    if indices is not None:
+        env[protocol.VISIBLE_DEVICES_ENV] = ",".join(str(index) for index in indices)
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    if (placement.get("num_nodes") or 1) > 1:
+        env.update({name: str(placement[field]) for field, name in protocol.GANG_ENV.items()})
+    return env
+
+
 def parse_command(raw):
     """Return the training command as an argv list: ``raw`` split like a shell would, or the default.
 
@@ -115,112 +151,29 @@ def describe_exit(code):
     return f"exited with code {code}"
 
 
-def _config_key(config, name):
-    """Return the config key ``name``, in the config's own style (``--x`` or ``x``)."""
-    if name in config or f"--{name}" in config:
-        return name if name in config else f"--{name}"
-    dashed = any(str(key).startswith("--") for key in config)
-    return f"--{name}" if dashed else name
-
-
-def _dataloader_key(config):
-    """Return the config key naming the dataloader file, in the config's own style (``--x`` or ``x``)."""
-    return _config_key(config, "data_backend_config")
-
-
-def split_lines(data):
-    """Split trainer output into ``(complete lines, the rest)``; CR, LF and CRLF all end a line, and an
-    over-long unterminated line is cut into a line of its own."""
-    *lines, rest = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
-    if len(rest) > MAX_LINE_CHARS * 4:
-        lines.append(rest)
-        rest = b""
-    return lines, rest
-
-
-class Output:
-    """A trainer's output as the agent reports it: ``SIMPLETUNER_PROGRESS`` lines folded into
-    ``progress``, the other lines kept as a tail. ``version`` changes with every change. Not locked."""
-
-    def __init__(self):
-        self.progress = {}
-        self.version = 0
-        self.tail = collections.deque(maxlen=TAIL_LINES)
-        self.lines_total = 0  # output lines so far (progress lines not counted)
-        self.unsent = collections.deque(maxlen=UNSENT_MAX_LINES)  # the last lines not yet accepted
-
-    def add(self, raw):
-        """Fold one line of output (bytes, any encoding: invalid UTF-8 is replaced)."""
-        text = raw.decode("utf-8", errors="replace").rstrip()
-        update = progress_protocol.parse_line(text)
-        if update is not None:
-            self.progress = progress_protocol.merge(self.progress, update)
-        elif text.strip():
-            self.tail.append(text[:MAX_LINE_CHARS])
-            self.unsent.append(text[:MAX_LINE_CHARS])
-            self.lines_total += 1
-        else:
-            return
-        self.version += 1
-
-    def log_chunk(self, max_lines=protocol.LOG_CHUNK_MAX_LINES):
-        """Return the oldest unsent lines as ``protocol.LogLines`` (None when all were accepted)."""
-        if not self.unsent:
-            return None
-        first = self.lines_total - len(self.unsent)
-        return {protocol.LOG_LINES_FROM: first, "lines": list(itertools.islice(self.unsent, max_lines))}
-
-    def log_sent(self, upto):
-        """Forget the lines numbered below ``upto``: the orchestrator accepted them."""
-        first = self.lines_total - len(self.unsent)
-        for _ in range(max(0, min(upto - first, len(self.unsent)))):
-            self.unsent.popleft()
-
-    def log_tail(self, lines=REPORTED_TAIL_LINES):
-        return "\n".join(list(self.tail)[-lines:])
-
-    def last_line(self):
-        return self.tail[-1] if self.tail else ""
-
-
-def read_log(job_dir, *, max_bytes=1 << 20):
-    """Return the ``Output`` of the last ``max_bytes`` of ``<job_dir>/train.log`` (empty if there is none):
-    what a restarted agent knows of a trainer that ended while no agent was watching."""
-    output = Output()
-    try:
-        with open(Path(job_dir) / LOG_FILE, "rb") as fh:
-            size = fh.seek(0, os.SEEK_END)
-            fh.seek(max(size - max_bytes, 0))
-            data = fh.read()
-    except OSError:
-        return output
-    if size > max_bytes:
-        data = data.split(b"\n", 1)[-1]  # the first line read is likely cut
-    lines, rest = split_lines(data)
-    for line in [*lines, rest] if rest else lines:
-        output.add(line)
-    return output
-
-
 class JobRun:
     """One attempt of one job on this node.
 
-    ``prepare()`` writes ``<work_dir>/<job_id>/config.json`` (and the dataloader config), ``start()``
-    runs the command in its own process group with ``CONFIG_PATH``, ``SIMPLETUNER_CONFIG_BACKEND=json``
-    and ``SIMPLETUNER_JOB_ID`` set, and a reader thread tees its merged output to ``train.log``, keeps
-    a tail, and folds ``SIMPLETUNER_PROGRESS`` lines into ``progress``. ``on_exit(run)`` is called
-    from the waiter thread when the process ends. ``stop(reason)`` ends it: SIGTERM to the group,
-    SIGKILL after ``grace`` seconds.
+    ``prepare()`` writes ``<work_dir>/<job_id>/config.json`` (and the dataloader config), with the job's
+    own output and cache directories (``layout.py``), a webhook entry for the agent's receiver
+    (``webhooks.py``) and where it runs (``placement``: ``placement_config``); ``start()`` runs the command in its own process group with ``CONFIG_PATH``,
+    ``SIMPLETUNER_CONFIG_BACKEND=json``, ``SIMPLETUNER_JOB_ID`` and ``placement_env`` set, and a reader thread tees its
+    merged output to ``train.log``, keeps a tail, and folds ``SIMPLETUNER_PROGRESS`` lines, like the
+    trainer's webhook events, into ``progress`` (``output.py``). ``on_exit(run)`` is called from the
+    waiter thread when the process ends. ``stop(reason)`` ends it: SIGTERM to the group, SIGKILL after
+    ``grace`` seconds.
     """
 
     def __init__(
         self, *, job_id, attempt, config, dataloader, work_dir, command, on_exit, grace=30.0, clock=time.monotonic,
-        transfer=None, resume=None,
+        transfer=None, resume=None, placement=None,
     ):  # fmt: skip
         self.job_id = str(job_id)
         self.transfer = transfer  # artifacts.ArtifactTransfer of this attempt, or None (no artifact store)
         self.resume = resume  # the protocol.ResumeCheckpoint to start from, or None
+        self.placement = placement  # the job_submit's GPUs and rendezvous (jobs.PLACEMENT_FIELDS), or None
         self.upload_error = None  # why the output directory could not be uploaded, if it could not
+        self.watcher = None  # the checkpoints.CheckpointWatcher uploading finished checkpoints while it runs
         self.attempt = attempt
         self.config = dict(config or {})
         self.dataloader = dataloader
@@ -235,6 +188,7 @@ class JobRun:
         self.started_at = None
         self.finished_at = None
         self.output = Output()
+        self.receiver = None  # the webhooks.WebhookReceiver of the trainer's events while it runs
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._ended = threading.Event()  # the process has ended: the reader reads to the end and stops
@@ -242,32 +196,53 @@ class JobRun:
     # --- set-up -------------------------------------------------------------------------------
 
     def output_dir(self):
-        """The declared output directory: the config's ``output_dir`` (relative to the job directory, where the
-        trainer runs), else ``<job dir>/output``."""
-        raw = self.config.get(_config_key(self.config, protocol.OUTPUT_DIR_CONFIG_KEY))
-        path = Path(str(raw)) if raw else self.job_dir / "output"
-        return path if path.is_absolute() else self.job_dir / path
+        """The job's output directory, ``<job dir>/output``, whatever the config says (``layout.py``)."""
+        return self.job_dir / layout.OUTPUT_DIR
 
     def prepare(self):
         """Create the job directory, fetch the checkpoint to resume from, and write the config files; return
-        the config path. Raise TransferError if the checkpoint cannot be fetched."""
+        the config path. Raise TransferError if the checkpoint cannot be fetched.
+
+        The config written names the job's own output directory and caches, whatever it said, and its
+        dataloader (given with the job, else the file its config names) is written into the job directory
+        with its caches made the job's own too.
+        """
         self.job_dir.mkdir(parents=True, exist_ok=True)
-        config = dict(self.config)
-        if self.transfer is not None:
-            output = self.output_dir()
-            output.mkdir(parents=True, exist_ok=True)
-            config[_config_key(config, protocol.OUTPUT_DIR_CONFIG_KEY)] = str(output)
-            if self.resume:
-                self.transfer.download_checkpoint(self.resume, output, manifest_path=self.job_dir / MANIFEST_FILE)
-                config[_config_key(config, protocol.RESUME_CONFIG_KEY)] = self.resume["checkpoint"]
-                logger.info("job %s: resuming from %s (step %s)", self.job_id, self.resume["checkpoint"], self.resume["step"])
-        if self.dataloader is not None:
+        config = layout.own_config(self.config, self.job_dir)
+        config.update(placement_config(config, self.placement))
+        output = self.output_dir()
+        output.mkdir(parents=True, exist_ok=True)
+        if self.transfer is not None and self.resume:
+            self.transfer.download_checkpoint(self.resume, output, manifest_path=self.job_dir / MANIFEST_FILE)
+            config[layout.config_key(config, protocol.RESUME_CONFIG_KEY)] = self.resume["checkpoint"]
+            logger.info("job %s: resuming from %s (step %s)", self.job_id, self.resume["checkpoint"], self.resume["step"])
+        dataloader = self.dataloader if self.dataloader is not None else self._dataloader_of(config)
+        if dataloader is not None:
             loader_path = self.job_dir / DATALOADER_FILE
-            _write_json(loader_path, self.dataloader)
-            config[_dataloader_key(config)] = str(loader_path)
+            _write_json(loader_path, layout.own_dataloader(dataloader, self.job_dir))
+            config[layout.config_key(config, "data_backend_config")] = str(loader_path)
+        if self.receiver is not None:
+            key = layout.config_key(config, webhooks.CONFIG_KEY)
+            merged = webhooks.with_entry(config.get(key), self.receiver.config_entry(), self.job_dir)
+            if merged is None:
+                logger.warning("job %s: its webhook_config cannot be read; the trainer's webhook events will not reach the agent", self.job_id)
+            else:
+                config[key] = merged
         config_path = self.job_dir / CONFIG_FILE
-        _write_json(config_path, config)
+        _write_json(config_path, config, private=True)  # it holds the receiver's secret (and maybe the user's)
         return config_path
+
+    def _dataloader_of(self, config):
+        """Return the dataloader in the file the config names (relative to the job directory), or None."""
+        for key in ("data_backend_config", "--data_backend_config"):
+            raw = config.get(key)
+            if isinstance(raw, str) and raw.strip():
+                path = self.job_dir / os.path.expanduser(raw.strip())
+                try:
+                    return json.loads(path.read_text(encoding="utf-8"))
+                except (OSError, ValueError) as exc:
+                    logger.warning("job %s: its dataloader config %s cannot be read (%s); its caches stay as it says", self.job_id, path, exc)
+        return None
 
     def environment(self, config_path):
         env = {k: v for k, v in os.environ.items() if k not in SCRUBBED_ENV}
@@ -281,6 +256,7 @@ class JobRun:
                 "PYTHONUNBUFFERED": "1",
             }
         )
+        env.update(placement_env(self.placement))
         if self.transfer is not None:  # as SimpleTuner's trainer reads them (and uploads there itself)
             env[protocol.UPLOAD_ENDPOINT_ENV] = self.transfer.endpoint_url
             env[protocol.UPLOAD_TOKEN_ENV] = self.transfer.token
@@ -297,29 +273,72 @@ class JobRun:
         trainer in it, writes ``exit.json`` when it ends, and exits as it did.
         """
         check_command(self.command)
-        config_path = self.prepare()
+        self._open_receiver()
+        try:
+            config_path = self.prepare()
+        except BaseException:
+            self._close_receiver()
+            raise
         supervisor.settle(self.job_dir)  # an earlier attempt's records, handled at start-up: not this one's
         (self.job_dir / STOP_FILE).unlink(missing_ok=True)
+        (self.job_dir / ERROR_FILE).unlink(missing_ok=True)
+        if self.resume and checkpoints.reaches_final_step(self.config, self.resume.get("step")):
+            return self._finish_from_checkpoint()
+        if self.transfer is not None:  # checkpoints marked finished before the trainer starts are not its own
+            self.watcher = checkpoints.CheckpointWatcher(
+                job_id=self.job_id, output_dir=self.output_dir(), transfer=self.transfer, manifest_path=self.job_dir / MANIFEST_FILE
+            )
         # The trainer writes its output straight to train.log, and the agent follows the file: what the
         # trainer printed is on disk whatever happens to the agent (a restarted one reads it back).
         log_path = self.job_dir / LOG_FILE
         with open(log_path, "ab") as log:
             offset = log.tell()
-            self.process = subprocess.Popen(
-                self.supervised_command(),
-                cwd=self.job_dir,
-                env=self.environment(config_path),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group: signals reach the whole tree
-                preexec_fn=parent_death_signal(supervisor.PARENT_DEATH_SIGNAL),
-            )
+            try:
+                self.process = subprocess.Popen(
+                    self.supervised_command(),
+                    cwd=self.job_dir,
+                    env=self.environment(config_path),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # its own process group: signals reach the whole tree
+                    preexec_fn=parent_death_signal(supervisor.PARENT_DEATH_SIGNAL),
+                )
+            except BaseException:
+                self._close_receiver()
+                raise
         self.started_at = self._clock()
+        if self.watcher is not None:
+            self.watcher.start()
         reader = threading.Thread(target=self._follow, args=(log_path, offset), name=f"job-{self.job_id}-output", daemon=True)
         reader.start()
         threading.Thread(target=self._wait, args=(reader,), name=f"job-{self.job_id}-wait", daemon=True).start()
         return self
+
+    # --- the trainer's webhook events ---------------------------------------------------------
+
+    def _open_receiver(self):
+        """Start the receiver of the trainer's webhook events; without one (it cannot bind) the job runs on."""
+        receiver = webhooks.WebhookReceiver(self._event, name=f"job-{self.job_id}-webhooks")
+        try:
+            self.receiver = receiver.start()
+        except OSError as exc:
+            logger.warning("job %s: no receiver for the trainer's webhook events (%s); progress comes from its output only", self.job_id, exc)
+
+    def _close_receiver(self):
+        if self.receiver is not None:
+            self.receiver.stop()
+            self.receiver = None
+
+    def _event(self, payload):
+        """One webhook event of the trainer (the receiver's thread): folded into the output."""
+        with self._lock:
+            error = self.output.error
+            stage = self.output.event(payload)
+            if self.output.error != error:
+                write_error(self.job_dir, self.output)
+        if stage is not None:
+            logger.info("Job %s: %s", self.job_id, progress_protocol.format_stage(stage))
 
     # --- output -------------------------------------------------------------------------------
 
@@ -355,6 +374,8 @@ class JobRun:
             return self.output.log_tail(lines)
 
     def last_line(self):
+        """Return the line that sums up the output (``Output.last_line``: the trainer's error event, a
+        traceback's exception, else the last line that says something)."""
         with self._lock:
             return self.output.last_line()
 
@@ -380,11 +401,28 @@ class JobRun:
         self._signal(signal.SIGTERM)  # children the trainer left behind would hold GPU memory
         self._ended.set()
         reader.join(timeout=5)
+        self._finish()
+
+    def _finish(self):
+        """After the trainer: its last checkpoints and its outputs uploaded, then ``on_exit``."""
+        self._close_receiver()
+        if self.watcher is not None:
+            self.watcher.stop()
         if self.returncode == 0 and self.stop_reason is None and self.transfer is not None:
             self._upload_outputs()
         self.finished_at = self._clock()
         self._stopping.set()
         self._on_exit(self)
+
+    def _finish_from_checkpoint(self):
+        """The checkpoint resumed from is the run's final step: no trainer runs (it would train one step past
+        it); the checkpoint's weights are the run's output, uploaded, and the attempt ends with exit 0."""
+        for line in checkpoints.adopt_final_checkpoint(self.job_id, self.resume, self.output_dir()):
+            self._line(line)
+        self.started_at = self._clock()
+        self.returncode = 0
+        threading.Thread(target=self._finish, name=f"job-{self.job_id}-finish", daemon=True).start()
+        return self
 
     def _upload_outputs(self):
         """Upload the output directory (before the result is reported); record why not in ``upload_error``."""
@@ -437,6 +475,8 @@ class JobRun:
             self.kill()
 
     def _signal(self, signum):
+        if self.process is None:
+            return  # no trainer was started (finished from its checkpoint)
         try:
             os.killpg(self.process.pid, signum)
         except ProcessLookupError:
@@ -457,7 +497,11 @@ def check_command(command):
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
 
 
-def _write_json(path, data):
+def _write_json(path, data, *, private=False):
+    """Write ``data`` to ``path`` (replaced whole); ``private``: readable by this user only."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False))
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o666)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(json.dumps(data, indent=2, sort_keys=False))
     os.replace(tmp, path)

@@ -16,7 +16,6 @@ closes a feed it made unfollowable).
 """
 
 import functools
-from contextlib import contextmanager
 from contextvars import ContextVar
 
 from django.contrib.auth import SESSION_KEY, get_user_model
@@ -28,6 +27,7 @@ from audit.models import ActorType
 from audit.services import Actor, audit_record, audited_atomic
 from common import outbox
 from common.remote import client_ip
+from common.scoped import bound
 
 # Emitted once a transaction that may have taken access away commits; payload: user_ids (a list).
 ACCESS_CHANGED = "account.access_changed"
@@ -38,14 +38,9 @@ _BEFORE = "_account_audit_before"
 _RELATIONS_BEFORE = "_account_audit_relations_before"
 
 
-@contextmanager
 def acting_as(actor):
     """Name ``actor`` in the audit rows of the account changes made inside the block."""
-    token = _acting.set(actor)
-    try:
-        yield
-    finally:
-        _acting.reset(token)
+    return bound(_acting, actor)
 
 
 def _actor():

@@ -18,6 +18,7 @@ from django.shortcuts import redirect
 from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils.html import format_html, format_html_join
+from django.utils.safestring import mark_safe
 from django.utils.timezone import localtime
 
 from audit.html import audit_trail_html
@@ -42,7 +43,9 @@ from common.inputs import format_controls_shown
 from . import permissions
 from . import token_admin  # noqa: F401 (registers the Tokens page)
 from .models import Worker, WorkerStatus, WorkerType
+from .selectors import held_jobs
 from .onboarding import CREATABLE_TYPES, agent_command_line, parse_label_pairs
+from .streams import serving_entry
 from .services import (
     worker_create,
     worker_delete,
@@ -138,13 +141,13 @@ class WorkerAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMi
     fieldsets = [
         (None, {"fields": ["id", "name", "status_display", "worker_type", "labels_display", "current_job_display"]}),
         ("Machine", {"fields": ["hostname_shown", "agent_version_shown", "agent_display", "gpus", "accelerator_shown", "gpu_info_display", "metrics_display"]}),
-        ("Connection", {"fields": ["heartbeat", "connected_at", "stream_opened_at", "status_changed_at", "drain_requested_at", "tokens_display"]}),
+        ("Connection", {"fields": ["heartbeat", "serving_agent_display", "connected_at", "stream_opened_at", "status_changed_at", "drain_requested_at", "tokens_display"]}),
         ("History", {"fields": ["created_at", "created_by", "recent_jobs", "audit_trail"]}),
     ]
     readonly_fields = [
         "id", "name", "status_display", "worker_type", "labels_display", "current_job_display", "hostname_shown",
         "agent_version_shown", "agent_display", "gpus", "accelerator_shown", "gpu_info_display", "metrics_display", "heartbeat",
-        "connected_at", "stream_opened_at", "status_changed_at", "drain_requested_at", "tokens_display",
+        "serving_agent_display", "connected_at", "stream_opened_at", "status_changed_at", "drain_requested_at", "tokens_display",
         "created_at", "created_by", "recent_jobs", "audit_trail",
     ]  # fmt: skip
 
@@ -174,7 +177,9 @@ class WorkerAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMi
         if not worker.gpu_count:
             return format_html('<span class="st-muted">{}</span>', worker.accelerator_type or "none")
         vram = f" · {worker.gpu_vram_gb:g} GB" if worker.gpu_vram_gb else ""
-        return format_html("{}× {}{}", worker.gpu_count, format_controls_shown(worker.gpu_name or "GPU"), vram)  # the agent names it
+        # A packing worker (several jobs at once): how many of its GPUs a new job may take now.
+        free = f" · {worker.gpus_free} free, up to {worker.max_jobs} jobs" if worker.packs else ""
+        return format_html("{}× {}{}{}", worker.gpu_count, format_controls_shown(worker.gpu_name or "GPU"), vram, free)  # the agent names it
 
     @admin.display(description="Labels")
     def labels_display(self, worker):
@@ -186,6 +191,14 @@ class WorkerAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMi
 
     @admin.display(description="Current job")
     def current_job_display(self, worker):
+        if worker.packs and worker.status in (WorkerStatus.BUSY, WorkerStatus.DRAINING):
+            # Its jobs and the GPUs each holds (Job.worker's jobs on its GPUs; this app does not import job_queue).
+            jobs = held_jobs(worker)  # one read per busy packing worker shown (a page holds 100 rows at most)
+            return format_html_join(
+                mark_safe("<br>"),
+                "{} <span class=\"st-muted\">GPUs {}</span>",
+                ((admin_link(job, job.config_name), ",".join(map(str, job.gpu_indices))) for job in jobs),
+            ) or format_html('<span class="st-muted">{}</span>', "—")
         if worker.current_job is None:
             return format_html('<span class="st-muted">{}</span>', "—")
         return admin_link(worker.current_job, worker.current_job.config_name)
@@ -208,6 +221,19 @@ class WorkerAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMi
             return said
         return format_html(
             '{}{}', said, format_html_join("", '<div class="st-warning st-agent-note">{}</div>', ((format_controls_shown(n),) for n in notes))
+        )
+
+    @admin.display(description="Serving agent")
+    def serving_agent_display(self, worker):
+        entry = serving_entry(worker)
+        if entry is None:
+            return format_html('<span class="st-muted">{}</span>', "none (no open stream)")
+        instance = entry.get("instance")
+        return format_html(
+            "{} on {} · {}",
+            format_controls_shown(entry.get("name") or "—"),
+            format_controls_shown(entry.get("host") or "unknown host"),
+            f"instance {instance[:12]}" if instance else "sends no instance (SimpleTuner's released agent?)",
         )
 
     hostname_shown = _reported("hostname", "Hostname")

@@ -8,6 +8,8 @@ from worker_agent import protocol
 
 WORKER_EVENT = "worker.event"  # payload: worker_id, event (a protocol event dict with its "type")
 STREAMS_REVOKED = "worker.streams_revoked"  # payload: worker_id, token_ids, reason, code
+# Staged by ``webhooks`` in the changing transaction (its deliveries of worker.offline).
+STATUS_CHANGED = "worker.status_changed"  # payload: changes, [(worker_id, from_status, to_status)]; at (when)
 
 
 def publish_on_commit(worker_id, event_type, **payload):

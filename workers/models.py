@@ -73,10 +73,32 @@ class Worker(models.Model):
     agent_name = models.CharField(max_length=128, blank=True, default="")
     agent_persistent = models.BooleanField(null=True, blank=True)
     metrics = models.JSONField(default=dict, blank=True, help_text="Utilisation from the latest heartbeat.")
+    # Packing (several jobs at once, each on its own GPUs; job_queue.packing): the jobs the worker is sent at once,
+    # as its agent asked at registration (``protocol.RegisterRequest.max_jobs``; 1, SimpleTuner's released agent and
+    # any agent that does not say: one job at a time, held as ``current_job``). With more than 1 its jobs are the
+    # jobs placed on it (``Job.holds_gpus``) and ``current_job`` stays empty.
+    max_jobs = models.PositiveIntegerField(default=1)
+    # The GPU indices a packing worker's jobs are given (its agent's ``gpu_slots``), and whether no NVIDIA GPU backs
+    # them (declared on a CPU node, or in tests).
+    gpu_slots = models.JSONField(default=list, blank=True)
+    gpu_slots_declared = models.BooleanField(default=False)
+    # The GPUs a new job may take on a packing worker now: its slots no job holds, 0 while it runs max_jobs jobs
+    # or a job that takes the whole worker. Kept in each transaction that places a job on it or takes one off;
+    # always 0 on a worker that does not pack. A dispatch reads it from the index worker_packing_offer.
+    gpus_free = models.PositiveIntegerField(default=0)
 
-    current_job = models.OneToOneField(
+    # The job the worker runs (a worker that does not pack). A member of a multi-node job (job_queue.gangs) holds that
+    # job too, as ``gang_rank`` (0 for any other job): no two workers ever hold one job under the same rank.
+    current_job = models.ForeignKey(
         "queue.Job", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
+    gang_rank = models.PositiveIntegerField(default=0)
+    # Multi-node jobs (job_queue.gangs): whether the agent said it runs a member of one (``protocol.RegisterRequest
+    # .multi_node``: ours; never SimpleTuner's released agent), the address other members reach it at (its
+    # ``advertise_address``), and the address the orchestrator saw it register from (the fallback).
+    multi_node = models.BooleanField(default=False)
+    advertise_address = models.CharField(max_length=255, blank=True, default="")
+    registered_address = models.CharField(max_length=64, blank=True, default="")
     drain_requested_at = models.DateTimeField(null=True, blank=True)
     # The SSE stream currently serving this worker (any process): the newest of ``open_streams``;
     # null when none is open.
@@ -84,6 +106,11 @@ class Worker(models.Model):
     # Every stream open for this worker, oldest first: [{"id": stream id, "process": server process id}].
     # A second stream (a curl beside the agent) never hides the first: when one closes, the newest left serves.
     open_streams = models.JSONField(default=list, blank=True)
+    # The instance (protocol.AGENT_INSTANCE_HEADER) of the agent that registered last ("" for one that sends none),
+    # and the instances another agent took this worker over from, newest last (at most
+    # job_queue.agents.REPLACED_KEPT): such an agent that comes back (its link was cut meanwhile) is refused.
+    agent_instance = models.CharField(max_length=64, blank=True, default="")
+    replaced_instances = models.JSONField(default=list, blank=True)
     stream_opened_at = models.DateTimeField(null=True, blank=True)
 
     last_heartbeat = models.DateTimeField(null=True, blank=True, db_index=True)
@@ -124,10 +151,22 @@ class Worker(models.Model):
             models.Index(
                 fields=["status", "current_job", "offer_rank", "last_job_finished_at", "id"], name="worker_offer_order"
             ),
+            # Busy packing workers with room, fullest first (best fit): a job no idle worker takes reads the first
+            # row here. Every other busy worker has gpus_free 0, below any job's need.
+            models.Index(fields=["status", "gpus_free", "id"], name="worker_packing_offer"),
+        ]
+        constraints = [
+            # A job is held by one worker, or by each member of its gang under its own rank (job_queue.gangs).
+            models.UniqueConstraint(fields=["current_job", "gang_rank"], name="worker_job_rank_unique"),
         ]
 
     def __str__(self):
         return f"{self.name} ({self.id})"
+
+    @property
+    def packs(self):
+        """Whether the worker runs several jobs at once, each on its own GPUs (its agent registered with max_jobs > 1)."""
+        return self.max_jobs > 1
 
     @property
     def is_draining(self):

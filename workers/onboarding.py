@@ -32,9 +32,14 @@ def parse_label_pairs(pairs, *, example="gpu=a100"):
     return labels
 
 
+# The agent as the README installs it: `make install` puts `simpletuner` in the checkout's .venv/bin, not on PATH.
+AGENT_PROGRAM = ".venv/bin/simpletuner"
+
+
 def agent_command_line(*, worker, token, orchestrator_url):
-    """Return the shell line that starts ``worker``'s agent with ``token`` in its environment."""
-    argv = ["simpletuner", "worker", "--orchestrator-url", orchestrator_url, "--name", worker.name]
+    """Return the shell line that starts ``worker``'s agent with ``token`` in its environment, run from a
+    checkout set up as the README says (docs/agent-guide.md: an agent-only install runs `simpletuner worker`)."""
+    argv = [AGENT_PROGRAM, "worker", "--orchestrator-url", orchestrator_url, "--name", worker.name]
     if worker.worker_type == WorkerType.PERSISTENT:
         argv.append("--persistent")  # the agent's default is ephemeral: exit after one job
     return f"SIMPLETUNER_WORKER_TOKEN={shlex.quote(token)} {shlex.join(argv)}"

@@ -2,10 +2,25 @@
 
 from datetime import timedelta
 
-from django.db.models import BooleanField, Count, Exists, ExpressionWrapper, Min, Q
+from django.db.models import BooleanField, Count, Exists, ExpressionWrapper, Min, Prefetch, Q
 
-from .models import ServerPresence
+from .models import ServerPresence, Worker
 from .presence import presence_interval
+
+
+def _held(jobs):
+    return jobs.filter(holds_gpus=True).only("pk", "config_name", "worker_id", "gpu_indices").order_by("dispatched_at", "pk")
+
+
+def held_jobs(worker):
+    """The jobs on packing ``worker``'s GPUs (``Job.holds_gpus``), through Job.worker's reverse relation (this app
+    does not import job_queue)."""
+    return list(_held(worker.jobs.all()))
+
+
+def held_jobs_prefetch():
+    """The prefetch of each worker's jobs on its GPUs (a packing worker's) as ``held_jobs``: one read for a list."""
+    return Prefetch("jobs", queryset=_held(Worker._meta.get_field("jobs").related_model.objects.all()), to_attr="held_jobs")
 
 
 def servers_silent_reason(*, now, timeout):

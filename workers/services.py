@@ -9,14 +9,14 @@ import math
 from datetime import timedelta
 
 from django.db import transaction
-from django.db.models import BooleanField, ExpressionWrapper, Q
+from django.db.models import BooleanField, Count, ExpressionWrapper, Q
 from django.utils import timezone
 
 from audit import actions
 from audit.models import ActorType
 from audit.services import Actor, audit_events, audit_record, audit_write, audited_atomic
 from common.errors import Conflict, InvalidInput, NotFound
-from common.inputs import GPU_COUNT_MAX, GPU_VRAM_GB_MAX, clean_labels, clean_text, name_problem
+from common.inputs import clean_labels, clean_text, name_problem
 from common.prepared import PreparedQuery, PreparedSQL
 
 from worker_agent import protocol
@@ -108,6 +108,12 @@ def token_authenticate(*, kind, plaintext):
     if token.touch_due:
         token_touch(plaintexts=[plaintext], now=now)
     return token
+
+
+def token_active(*, kind, digest, now=None):
+    """Return the token of ``kind`` whose hash is ``digest`` (with its user) if it is still active (``_active_tokens``),
+    else None; it is not marked used. For what a token opened earlier (an operator's change feed) and re-checks."""
+    return _active_tokens(kind=kind, digest=digest, now=now or timezone.now()).select_related("user").first()
 
 
 # The same two rules as subqueries of a statement of the caller's own (the heartbeat's one UPDATE): compiled by
@@ -317,13 +323,38 @@ def worker_rotate_token(*, worker_id, actor):
     return plaintext
 
 
-def worker_delete_refusal(worker):
-    """Return why ``worker`` may not be deleted now, or None if it may (offline, or never connected)."""
+def worker_agent_gone(worker):
+    """Whether no agent can be serving ``worker``: its token was rotated (revoked) and none of its active
+    tokens has been used since (the old agent's calls are refused and the streams it opened are being closed;
+    a new agent registers, which marks its token used, before it opens a stream)."""
+    tokens = worker.tokens.aggregate(
+        revoked=Count("pk", filter=Q(revoked_at__isnull=False)),
+        in_use=Count("pk", filter=Q(revoked_at__isnull=True, last_used_at__isnull=False)),
+    )
+    return tokens["revoked"] > 0 and tokens["in_use"] == 0
+
+
+def worker_delete_refusal(worker, *, now=None):
+    """Return why ``worker`` may not be deleted now, or None if it may: offline, never connected, or
+    without a job and with its agent known gone (``worker_agent_gone``: its token rotated). A refusal of
+    a worker whose stream is closed says when the health sweep will take it offline."""
     if worker.status == WorkerStatus.OFFLINE or (worker.status == WorkerStatus.CONNECTING and worker.never_connected):
         return None
+    holds_jobs = worker.current_job_id is not None or (worker.packs and worker.jobs.filter(holds_gpus=True).exists())
+    if not holds_jobs and worker_agent_gone(worker):
+        return None
+    refusal = f"worker {worker.name} is {worker.status}; only an offline worker can be deleted"
+    if worker.stream_id is not None or worker.open_streams or worker.last_heartbeat is None:
+        return f"{refusal} (drain it and stop its agent first)"
+    from django.conf import settings
+
+    timeout = settings.SIMPLETUNER["HEARTBEAT_TIMEOUT"]
+    offline_by = worker.last_heartbeat + timedelta(seconds=timeout + settings.SIMPLETUNER["HEALTH_CHECK_INTERVAL"])
+    wait = max(0, math.ceil((offline_by - (now or timezone.now())).total_seconds()))
     return (
-        f"worker {worker.name} is {worker.status}; only an offline worker can be deleted "
-        "(drain it and stop its agent first)"
+        f"{refusal}. Its agent has no stream open: the health sweep takes the worker offline {timeout:g} s after its "
+        f"last heartbeat, within about {wait} s (by {offline_by:%H:%M:%S} UTC); delete it then, or rotate its token "
+        "to delete it at once (a rotated token's agent is refused)"
     )
 
 
@@ -369,55 +400,16 @@ def worker_drain(*, worker_id, actor):
             )
         if worker.status != WorkerStatus.OFFLINE:
             workers_transition(workers=[worker], to=WorkerStatus.DRAINING, actor=actor, reason="drain requested")
-        events.publish_on_commit(worker.pk, protocol.DRAIN, current_job_id=worker.current_job_id)
+        if worker.max_jobs > 1:  # a packing worker: every job on its GPUs, each of which it finishes (Job.worker's jobs)
+            job_ids = list(worker.jobs.filter(holds_gpus=True).order_by("dispatched_at", "pk").values_list("pk", flat=True))
+            first = job_ids[0] if job_ids else None
+            events.publish_on_commit(worker.pk, protocol.DRAIN, current_job_id=first, job_ids=job_ids)
+        else:
+            events.publish_on_commit(worker.pk, protocol.DRAIN, current_job_id=worker.current_job_id)
     return worker
 
 
 # --- the agent's side of the protocol -----------------------------------------------------------
-
-
-def _number(value, field, *, maximum, integer=False, minimum=0):
-    if value is None or value == "":
-        return None
-    try:
-        number = float(value)
-    except (TypeError, ValueError, OverflowError):
-        raise InvalidInput(f"{field} must be a number from {minimum} to {maximum}", code="invalid_capabilities") from None
-    if not math.isfinite(number) or not minimum <= number <= maximum:
-        raise InvalidInput(f"{field} must be a number from {minimum} to {maximum}", code="invalid_capabilities")
-    return int(number) if integer else number
-
-
-def parse_capabilities(data):
-    """Return Worker fields from a register body, accepting the spec's flat fields and upstream ``gpu_info``."""
-    gpu_info = data.get("gpu_info")
-    if gpu_info is not None and not isinstance(gpu_info, dict):
-        raise InvalidInput("gpu_info must be an object", code="invalid_capabilities")
-    gpu_info = gpu_info or {}
-
-    def pick(flat, nested):
-        value = data.get(flat)
-        return (gpu_info.get(nested), f"gpu_info.{nested}") if value is None else (value, flat)
-
-    count = _number(*pick("gpu_count", "count"), maximum=GPU_COUNT_MAX, integer=True)
-    vram = _number(*pick("gpu_vram_gb", "vram_gb"), maximum=GPU_VRAM_GB_MAX)
-    name = pick("gpu_name", "name")[0]
-    accelerator = pick("accelerator_type", "accelerator")[0]
-    raw = dict(gpu_info)
-    for key in ("gpu_count", "gpu_name", "gpu_vram_gb", "accelerator_type", "gpus", "driver_version", "cuda_version"):
-        if data.get(key) is not None:
-            raw[key] = data[key]
-    return {
-        "gpu_count": count or 0,
-        "gpu_name": str(name or "")[:200],
-        "gpu_vram_gb": vram,
-        "accelerator_type": str(accelerator or ("cuda" if count else "cpu"))[:32],
-        "gpu_info": raw,
-        "hostname": str(data.get("hostname") or "")[:255],
-        "agent_version": str(data.get("agent_version") or data.get("version") or "")[:64],
-        "agent_name": clean_text(str(data.get("name") or ""))[:128],
-        "agent_persistent": data.get("persistent") if isinstance(data.get("persistent"), bool) else None,
-    }
 
 
 def worker_register_failed(*, reason, token_prefix, ip, name="", **details):

@@ -62,3 +62,25 @@ def newest_stream_id(entries):
 
 def _valid(entries):
     return [entry for entry in entries or () if isinstance(entry, dict) and isinstance(entry.get("id"), str)]
+
+
+def agent_key(entry):
+    """Return the key of the agent holding the stream ``entry``: its instance (``protocol.AGENT_INSTANCE_HEADER``),
+    else the stream's own id (an agent that says no instance is told apart by nothing but its stream)."""
+    return f"i:{entry['instance']}" if entry.get("instance") else f"s:{entry['id']}"
+
+
+def serving_entry(worker):
+    """Return the entry of ``worker``'s current stream (``stream_id``): its agent serves the worker; or None."""
+    if worker.stream_id is None:
+        return None
+    return next((entry for entry in _valid(worker.open_streams) if entry["id"] == worker.stream_id), None)
+
+
+def other_agents_streams(entries, instance):
+    """Split ``entries`` into ``(kept, replaced)``: kept are the earlier streams of agent ``instance`` (a reconnect,
+    never another agent); replaced, every other (each agent without an instance is an agent of its own)."""
+    kept, replaced = [], []
+    for entry in _valid(entries):
+        (kept if instance and entry.get("instance") == instance else replaced).append(entry)
+    return kept, replaced

@@ -10,9 +10,11 @@ from django.utils import timezone
 
 from audit import actions
 from audit.services import audit_events, audit_write
+from common import outbox
 from common.errors import InvalidTransition
 from common.updates import update_rows
 
+from . import events
 from .models import WORKER_ONLINE, WORKER_TRANSITIONS, Worker, WorkerStatus
 
 
@@ -47,9 +49,12 @@ def workers_transition(*, workers, to, actor, reason="", now=None, **fields):
     updated = update_rows(Worker.objects, changes, expect=read)
     if updated != len(changes):
         raise InvalidTransition(f"{len(changes) - updated} worker(s) changed status concurrently; their moves are refused")
+    moved = [(w.pk, w.status, changes[w.pk]["status"]) for w in workers if w.status != changes[w.pk]["status"]]
     for worker in workers:
         for name, value in changes[worker.pk].items():
             setattr(worker, name, value)
+    if moved:
+        outbox.emit_on_commit(events.STATUS_CHANGED, changes=moved, at=now)
     audit_write(
         audit_events(actor=actor, action=actions.WORKER_STATUS_CHANGED, target_type="worker", rows=audit_rows)
     )

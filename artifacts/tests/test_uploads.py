@@ -248,6 +248,24 @@ def test_an_attempt_may_declare_its_checkpoint_complete():
     assert Checkpoint.objects.get(job_id=job.pk, step=20).completed_at is not None
 
 
+def test_a_checkpoint_uploaded_as_declared_waits_for_its_declaration_whoever_speaks(worker_client):
+    """Our agent uploads a trainer's finished checkpoint file by file while it heartbeats: a heartbeat between
+    two files must not complete it, or a resume could get half of it."""
+    job, worker, token = running_job()
+    declares = {"HTTP_" + protocol.CHECKPOINT_DECLARES_HEADER.upper().replace("-", "_"): "1"}
+    assert put(token, "output/checkpoint-4/pytorch_lora_weights.safetensors", b"four", **declares).status_code == 201
+
+    assert heartbeat(worker_client, worker, job, progress={"step": 5}).status_code == 200
+    assert Checkpoint.objects.get(job_id=job.pk, step=4).completed_at is None
+    assert audit_rows(actions.CHECKPOINT_COMPLETED) == []
+
+    put(token, "output/checkpoint-4/.guard", b"complete\n", **declares)
+    assert uploader(token).post(protocol.checkpoint_complete_path(4)).status_code == 200
+    checkpoint = Checkpoint.objects.get(job_id=job.pk, step=4)
+    assert checkpoint.completed_at is not None and checkpoint.declared
+    assert [r.details for r in audit_rows(actions.CHECKPOINT_COMPLETED)] == [{"step": 4, "attempt": job.lease_id, "declared": True}]
+
+
 def test_a_requeued_job_resumes_from_its_latest_complete_checkpoint(worker_client, commit):
     job, worker, token = running_job()
     put(token, "out/checkpoint-10/model.bin", b"ten")
@@ -394,4 +412,4 @@ def test_a_download_streams_chunk_by_chunk_with_a_file_responses_headers(artifac
     assert chunks == [b"0123", b"4567", b"89"]
     assert readers == {"transfer-read"}  # the download threads, never the loop's default executor (the streams')
     assert response["Content-Length"] == "10" and response["Content-Type"] == "application/octet-stream"
-    assert response["Content-Disposition"] == 'attachment; filename="model.safetensors"'
+    assert response["Content-Disposition"] == 'attachment; filename="b_out_model.safetensors"'

@@ -25,7 +25,7 @@ from workers.api.serializers import (
 from workers.authentication import IsWorker, WorkerTokenAuthentication
 from workers.throttling import worker_refused, worker_registration_throttled
 
-from .. import agents, reports
+from .. import agents, reports, takeover
 
 WORKER_ID_QUERY = query_parameter("worker_id", "Optional; must be the token's own worker (403 otherwise).")
 REFUSALS_THROTTLED = "Too many refused requests from this worker."
@@ -86,10 +86,11 @@ class RegisterView(WorkerAPIView):
     )
     def post(self, request):
         data = self.validated(RegisterSerializer, request.data)
+        instance = takeover.agent_instance(request.headers.get(protocol.AGENT_INSTANCE_HEADER))  # 400 if malformed
         wait = worker_registration_throttled(worker_id=self.worker.pk, address=client_ip(request))
         if wait is not None:  # nothing registered: a register/disconnect loop writes a bounded number of rows
             raise exceptions.Throttled(wait=wait, detail=REGISTRATIONS_THROTTLED)
-        result = agents.worker_register(worker_id=self.worker.pk, data=data, actor=self.actor)
+        result = agents.worker_register(worker_id=self.worker.pk, data=data, actor=self.actor, instance=instance)
         stream_path = f"{protocol.STREAM_PATH}?worker_id={self.worker.pk}"
         # SIMPLETUNER_PUBLIC_URL when set; otherwise the request's own address (its Host is one of ALLOWED_HOSTS).
         result["sse_url"] = settings.PUBLIC_URL + stream_path if settings.PUBLIC_URL else request.build_absolute_uri(stream_path)

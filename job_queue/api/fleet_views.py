@@ -7,7 +7,7 @@ from rest_framework.views import APIView
 from audit.services import Actor
 from common.fields import Labels, StrictBoolean
 from common.http import error_responses
-from common.serializers import Serializer
+from common.serializers import Serializer, refuse_fields
 from workers import permissions as worker_permissions
 from workers.api.serializers import WorkerSerializer, WorkerTokenSerializer
 from workers.api.views import get_worker_or_404
@@ -50,9 +50,10 @@ class AdminWorkerUndrainView(APIView):
         tags=["admin-workers"],
         summary="Put a drained worker back in service: it takes jobs again (idempotent)",
         request=None,
-        responses={200: WorkerSerializer, **error_responses(401, 403, 404)},
+        responses={200: WorkerSerializer, **error_responses(400, 401, 403, 404)},
     )
     def post(self, request, worker_id):
+        refuse_fields(request.data)
         get_worker_or_404(worker_id)
         worker = fleet.worker_undrain(worker_id=worker_id, actor=Actor.for_request(request))
         return Response(WorkerSerializer(worker, context={"request": request}).data)

@@ -11,6 +11,7 @@ from rest_framework.views import APIView
 from artifacts.api.views import artifact_response
 from common.errors import InvalidInput, NotAuthenticated
 from common.http import error_responses
+from common.serializers import refuse_fields
 from common.remote import client_ip
 from worker_agent import protocol
 from workers.authentication import THROTTLED
@@ -64,6 +65,16 @@ class ArtifactObjectView(UploadTokenView):
         tags=["artifacts"],
         auth=UPLOAD_TOKEN_AUTH,
         summary="Upload a file of the attempt's job (S3-style PUT; the body is the file, streamed to storage)",
+        parameters=[
+            OpenApiParameter(
+                protocol.CHECKPOINT_DECLARES_HEADER,
+                str,
+                OpenApiParameter.HEADER,
+                description="1: the file is part of a checkpoint the attempt declares complete itself "
+                "(POST /api/cloud/checkpoints/{step}/complete); until then a report or heartbeat does not complete it. "
+                "Any other value, or none: a report or heartbeat after the file completes its checkpoint.",
+            )
+        ],
         request={"application/octet-stream": bytes},
         responses={
             200: OpenApiResponse(description="Stored, replacing the file the key named"),
@@ -78,6 +89,7 @@ class ArtifactObjectView(UploadTokenView):
             key=key,
             stream=request._request,
             declared_length=_declared_length(request),
+            declares=request.headers.get(protocol.CHECKPOINT_DECLARES_HEADER, "").strip() == "1",
             ip=client_ip(request),
         )
         etag = f'"{artifact.sha256}"'
@@ -116,5 +128,6 @@ class CheckpointCompleteView(UploadTokenView):
     def post(self, request, step):
         if not re.fullmatch(STEP_PATTERN, step):
             raise InvalidInput(f"the step must be a whole number, not {step[:40]!r}", code="invalid_step")
+        refuse_fields(request.data)
         uploads.attempt_declare_checkpoint(token=_token(request), step=int(step), ip=client_ip(request))
         return Response({"step": int(step), "complete": True})

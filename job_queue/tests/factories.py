@@ -4,6 +4,7 @@ import factory
 from django.utils import timezone
 from factory.django import DjangoModelFactory
 
+from job_queue.fairshare import share_ensure
 from job_queue.models import Job, JobAttempt, JobStatus, JobTarget, new_lease_id
 from workers.models import Worker, WorkerStatus
 
@@ -28,6 +29,8 @@ class JobFactory(DjangoModelFactory):
         if submitted_at is not None:  # auto_now_add ignores a value given at creation
             model_class.objects.filter(pk=job.pk).update(submitted_at=submitted_at)
             job.submitted_at = submitted_at
+        if job.status == JobStatus.QUEUED:  # as a job queued by the dispatcher: its share has its row
+            share_ensure(job)
         return job
 
 

@@ -228,7 +228,7 @@ def test_the_detail_page_shows_attempts_log_error_and_audit_trail(admin_client):
     assert "CUDA out of memory" in text
     assert "<td>job.submitted</td><td>user:alice</td><td>yes</td>" in text
     assert "job.cancel_requested" not in text
-    assert f'href="/admin/audit/auditevent/?q={job.pk}"' in text
+    assert f'href="/admin/audit/auditevent/?q={job.pk}&amp;target_type=job"' in text
 
 
 def test_the_detail_page_of_a_queued_job_says_why_it_waits(admin_client):

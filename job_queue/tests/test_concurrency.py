@@ -30,6 +30,24 @@ WORKERS = 10
 DEADLINE_S = 30
 
 
+def holder(hold, holding, done):
+    """Return a function that runs ``hold()`` in an audited transaction, then sets ``holding`` and keeps the
+    transaction (and the rows ``hold`` locked) open until ``done`` is set or another backend waits for a lock."""
+    from audit.services import audited_atomic
+
+    def run():
+        with audited_atomic():
+            hold()
+            holding.set()
+            deadline = time.monotonic() + DEADLINE_S
+            while not (done.is_set() or another_backend_waits_for_a_lock()):
+                assert time.monotonic() < deadline, "the other side neither finished nor waited for a lock"
+                time.sleep(0.005)
+        return "committed"
+
+    return run
+
+
 def run_concurrently(functions):
     """Start ``functions`` together in threads; return their results; re-raise the first error."""
     barrier = threading.Barrier(len(functions))
@@ -225,3 +243,39 @@ def test_a_drain_racing_a_transaction_that_holds_the_workers_job_does_not_deadlo
 
     assert committed == "committed" and drained.status == WorkerStatus.DRAINING
     assert audit_rows("job.probe") and audit_rows(actions.WORKER_DRAIN_REQUESTED)
+
+
+def test_a_job_submitted_while_its_worker_is_held_is_dispatched_once_the_holder_commits(postgres_url):
+    """The lost wake-up: a freed worker's offer (it holds the worker's row) reads the queue before a
+    submit commits and finds nothing; the submit's dispatch skips the held worker (SKIP LOCKED) and
+    finds no other. Both commit empty-handed, and the job would wait for the next periodic pass
+    (HEALTH_CHECK_INTERVAL, a minute). The submit saw a worker it could have had, held by another
+    transaction: after its commit it waits for that worker's row and takes it once the holder commits."""
+    from audit.services import audited_atomic
+    from job_queue.services import job_submit
+
+    worker = WorkerFactory()
+    holding, submitted = threading.Event(), threading.Event()
+
+    def hold():
+        assert dispatch_for_worker(worker.pk) is None  # the queue is empty: nothing yet; the row stays locked
+
+    offer_to_freed_worker = holder(hold, holding, submitted)
+
+    def submit():
+        assert holding.wait(DEADLINE_S)
+        try:
+            return job_submit(config_name="cfg", actor=Actor.system("operator"))
+        finally:
+            submitted.set()
+
+    committed, (job, dispatched_at_once) = run_concurrently([offer_to_freed_worker, submit])
+
+    assert committed == "committed" and not dispatched_at_once
+    job.refresh_from_db()
+    worker.refresh_from_db()
+    assert job.status == JobStatus.DISPATCHED and job.worker_id == worker.pk
+    assert worker.status == WorkerStatus.BUSY and worker.current_job_id == job.pk
+    assert JobAttempt.objects.filter(job=job).count() == 1
+    assert len(audit_rows(actions.JOB_DISPATCHED)) == 1
+

@@ -183,7 +183,7 @@ def test_scrape_cost_does_not_grow_with_workers_and_jobs(scrape, django_assert_m
     JobFactory()
     with CaptureQueriesContext(connection) as few:
         scrape()
-    assert len(few) == 4  # workers, jobs, oldest queued job, audit rows not sealed yet
+    assert len(few) == 5  # workers, jobs, oldest queued job, GPU-seconds by team and user, audit rows not sealed yet
 
     for _ in range(20):
         job_on_worker(WorkerFactory(last_heartbeat=ago(500)), status=JobStatus.RUNNING)

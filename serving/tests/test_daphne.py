@@ -145,3 +145,34 @@ def test_a_response_waiting_on_a_lost_connection_goes_on():
         await asyncio.wait_for(waiting, 1)
 
     asyncio.run(run())
+
+
+def test_requests_in_flight_are_cancelled_only_once_the_before_stopping_hooks_have_returned(monkeypatch, caplog):
+    """`simpletuner server` stops its local worker before daphne cancels what is in flight: the agent's
+    registration, report and goodbye are answered, not cut off (daphne's own shutdown triggers run side by
+    side). A hook that fails is logged and the server stops all the same."""
+    from twisted.internet import defer, threads
+
+    from serving.daphne import SpooledBodyServer
+
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        in_flight = loop.create_future()
+        seen = []
+
+        def failing():
+            raise RuntimeError("the agent would not stop")
+
+        server = SpooledBodyServer(
+            application=None, endpoints=["tcp:port=0"], before_stopping=[lambda: seen.append(in_flight.cancelled()), failing]
+        )
+        server.connections = {object(): {"application_instance": in_flight}}
+        monkeypatch.setattr(threads, "deferToThread", defer.maybeDeferred)  # the hooks' threads, run inline
+        server.kill_all_applications()
+        assert seen == [False]  # still in flight while the first hook ran
+        assert in_flight.cancelled()
+        assert "the agent would not stop" in caplog.text
+    finally:
+        loop.close()
+        asyncio.set_event_loop(None)

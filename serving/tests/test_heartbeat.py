@@ -28,6 +28,7 @@ from simpletuner_site.tests.asgi_support import asgi_request
 from worker_agent import protocol
 from workers.models import Token, Worker, WorkerStatus
 from workers.services import worker_rotate_token
+from workers.api.serializers import HeartbeatSerializer
 from workers.tests.factories import WorkerFactory, worker_token
 from workers.tests.support import audit_rows, clear_failed_auth_counters
 
@@ -87,8 +88,7 @@ def test_an_idle_worker_heartbeat_is_answered_by_the_lean_path_and_records_liven
     before = worker.last_heartbeat
 
     status, _, body = post(
-        {"worker_id": worker.pk, "status": "idle", "current_job_id": None, "gpu_utilization": [12.5], "cpu_percent": 3,
-         "something_new": "ignored"},
+        {"worker_id": worker.pk, "status": "idle", "current_job_id": None, "gpu_utilization": [12.5], "cpu_percent": 3},
         token=worker_token(worker),
     )
 
@@ -242,6 +242,7 @@ def test_a_heartbeat_after_a_checkpoint_upload_falls_through_and_completes_it(fu
         ({"cpu_percent": "lots"}, 400, "invalid"),
         ({"worker_id": 12}, 400, "invalid"),
         ({"status": "x" * 33}, 400, "invalid"),
+        ({"status": "idle", "labels": {"gpu": "a100"}}, 400, "invalid"),  # a field the heartbeat does not take
         ([1, 2], 400, "invalid"),
         (b"{not json", 400, "parse_error"),
         (b'{"status": "' + b"x" * 2_000_000 + b'"}', 413, "request_too_large"),
@@ -559,3 +560,48 @@ def test_a_validate_added_to_the_heartbeat_serializer_holds_on_the_lean_path_too
     status, _, body = post({"status": "idle", "cpu_percent": 150}, token=token)
     assert (status, json.loads(body)["code"]) == (400, "invalid")  # HeartbeatView's answer, before any service
     assert full_path == [] and _reload(worker).last_heartbeat == before  # nothing recorded by either path
+
+
+def test_an_unknown_field_is_refused_alike_with_the_fast_paths_on_and_off(full_path):
+    """The lean path (fast paths on) and Django's own handler (SIMPLETUNER_FAST_PATHS=off) answer a field the
+    heartbeat does not take with the same 400 naming it, and record nothing."""
+    from django.core.handlers.asgi import ASGIHandler
+
+    from serving.asgi import FastPathsASGIHandler
+
+    worker = _worker()
+    token = worker_token(worker)
+    before = _reload(worker).last_heartbeat
+    body = {"worker_id": worker.pk, "status": "idle", "current_job_id": None, "cpu_percnt": 3}
+
+    on = async_to_sync(_post)(FastPathsASGIHandler(), body, token=token)
+    off = async_to_sync(_post)(ASGIHandler(), body, token=token)
+
+    assert on == off
+    status, _, answer = on
+    assert status == 400
+    assert json.loads(answer)["errors"]["cpu_percnt"] == [
+        "Unknown field: this endpoint takes " + ", ".join(HeartbeatSerializer().fields) + ". Did you mean cpu_percent?"
+    ]
+    assert _reload(worker).last_heartbeat == before
+    assert AuditEvent.objects.count() == 0
+
+
+def test_a_heartbeat_with_an_unknown_field_builds_no_validator_and_leaves_the_cache_as_it_was(full_path, monkeypatch):
+    """Any number of shapes with unknown names: each refused before a validator is looked up, so the cache of
+    validators (one per shape of heartbeat taken) neither grows nor loses the shapes in use."""
+    from serving import heartbeat
+
+    worker = _worker()
+    token = worker_token(worker)
+    assert post({"status": "idle"}, token=token)[0] == 200
+    cached = heartbeat._validator.cache_info()
+    built = []
+    monkeypatch.setattr(heartbeat, "HeartbeatSerializer", lambda *a, **k: built.append(1))
+
+    answers = {post({"status": "idle", f"field_{n}": n}, token=token)[0] for n in range(100)}
+
+    assert answers == {400}
+    assert heartbeat._validator.cache_info() == cached and built == []
+    assert post({"status": "idle"}, token=token)[0] == 200
+    assert heartbeat._validator.cache_info().hits == cached.hits + 1

@@ -226,7 +226,7 @@ def test_server_runs_the_local_worker_and_takes_it_down_with_it(start_server, tm
 
     poll(lambda: _gone(agent), timeout=STOP_GRACE_S, message="the agent to stop with its server")
     # The agent was stopped while the server still answered: its goodbye was heard.
-    assert "worker.disconnected" in _audit_actions(db_path, worker_id)
+    assert "worker.disconnected" in _audit_actions(db_path, worker_id), server.log()
     assert _local_workers(db_path)[0][2] == "offline"
 
 

@@ -46,6 +46,9 @@ def test_once_runs_every_sweep_and_prints_what_each_did():
         "artifacts.sweep_expired_artifacts",
         "realtime.trim_stored_events",
         "audit.seal_chain",
+        "webhooks.deliver_due",
+        "webhooks.trim_deliveries",
+        "queue.sweep_fairshare_charge",
     ]
     assert lines[0].startswith("queue.sweep_stale_workers: workers=1 requeued=0 failed=0 (")
     assert lines[1].startswith("queue.sweep_unacknowledged_dispatches: jobs=1 workers_freed=1 (")

@@ -23,8 +23,9 @@ def test_every_sweep_is_scheduled_on_the_health_interval_and_the_ack_sweep_withi
     from artifacts.sweeps import sweep_expired_artifacts
     from audit.sweeps import seal_chain
     from job_queue.dispatch import dispatch_pending
-    from job_queue.sweeps import sweep_stale_workers, sweep_unacknowledged_dispatches
+    from job_queue.sweeps import sweep_fairshare_charge, sweep_stale_workers, sweep_unacknowledged_dispatches
     from realtime.sweeps import trim_stored_events
+    from webhooks.sweeps import deliver_due, trim_deliveries
     from workers.sweeps import sweep_offline_ephemeral_workers
 
     settings.SIMPLETUNER = {
@@ -38,6 +39,9 @@ def test_every_sweep_is_scheduled_on_the_health_interval_and_the_ack_sweep_withi
         ("artifacts.sweep_expired_artifacts", sweep_expired_artifacts, 3600),  # its own interval
         ("realtime.trim_stored_events", trim_stored_events, 600),  # a fixed interval: events are kept 24 h
         ("audit.seal_chain", seal_chain, 1),  # within the sealing lag's target (1 s), whatever the health interval
+        ("webhooks.deliver_due", deliver_due, 5),  # retries sent within 5 s of falling due
+        ("webhooks.trim_deliveries", trim_deliveries, 3600),
+        ("queue.sweep_fairshare_charge", sweep_fairshare_charge, 30),  # fair-share usage lags by 30 s at most
     ]
     settings.SIMPLETUNER = {**settings.SIMPLETUNER, "HEALTH_CHECK_INTERVAL": 20, "DISPATCH_ACK_TIMEOUT": 300}
     assert {name: interval for name, _fn, interval in sweep_schedule()} == {
@@ -48,6 +52,9 @@ def test_every_sweep_is_scheduled_on_the_health_interval_and_the_ack_sweep_withi
         "artifacts.sweep_expired_artifacts": 3600,
         "realtime.trim_stored_events": 600,
         "audit.seal_chain": 1,
+        "webhooks.deliver_due": 5,
+        "webhooks.trim_deliveries": 3600,
+        "queue.sweep_fairshare_charge": 30,
     }
 
 

@@ -90,7 +90,7 @@ class FakeClient:
     def stopping(self):
         self.calls.append(("stopping",))
 
-    def interrupt(self):
+    def interrupt(self, *, force=False):
         pass  # never inside a blocking call: the fake answers at once
 
     def reports(self, job_id=None):
@@ -105,8 +105,22 @@ def refused(job_id, code=protocol.JOB_NOT_OWNED):
 
 
 class FakeMonitor:
+    """GPUs as the agent sees them: ``slots`` are the indices jobs may be given (none: the agent runs one job at a
+    time, as every test before several jobs per worker); ``use_gpus`` records --gpus."""
+
+    def __init__(self, slots=(), declared=False):
+        self._slots = list(slots)
+        self.declared = declared
+        self.used = None
+
     def capabilities(self):
         return {"gpu_count": 2, "gpu_name": "Fake GPU", "gpu_vram_gb": 80.0, "accelerator_type": "cuda", "gpus": []}
+
+    def use_gpus(self, indices):
+        self.used = list(indices)
+
+    def slots(self):
+        return list(self._slots), self.declared
 
     def sample(self):
         return {"cpu_percent": 12.5, "gpu_utilization": [90, 80]}
@@ -120,8 +134,11 @@ class FakeRun:
 
     instances = []
 
-    def __init__(self, *, job_id, attempt, config, dataloader, work_dir, command, on_exit, grace, clock, transfer=None, resume=None):
+    def __init__(
+        self, *, job_id, attempt, config, dataloader, work_dir, command, on_exit, grace, clock, transfer=None, resume=None, placement=None
+    ):  # fmt: skip
         self.job_id, self.attempt, self.config, self.dataloader = job_id, attempt, config, dataloader
+        self.placement = placement
         self.transfer, self.resume = transfer, resume
         self.job_dir = work_dir / job_id
         self.on_exit = on_exit

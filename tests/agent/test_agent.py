@@ -10,7 +10,7 @@ import pytest
 from worker_agent import protocol
 from worker_agent.agent import Agent
 from worker_agent.cli import AgentConfig
-from worker_agent.client import FatalError, TransientError
+from worker_agent.client import FatalError, Refused, TransientError
 from worker_agent.runner import STOP_ABANDON, STOP_AGENT_EXIT, STOP_CANCEL
 from worker_agent.session import EPHEMERAL_GIVE_UP_S
 from worker_agent.sse import Event
@@ -53,10 +53,10 @@ def work_dir(tmp_path):
     WORK_DIR = None
 
 
-def make_agent(*, persistent=True, command="python train.py", client=None):
+def make_agent(*, persistent=True, command="python train.py", client=None, token="wt_x", monitor=None, gpus=None, advertise_address=None):
     config = AgentConfig(
         orchestrator_url="http://orch:8001",
-        token="wt_x",
+        token=token,
         name="gpu-1",
         persistent=persistent,
         verify=True,
@@ -64,10 +64,12 @@ def make_agent(*, persistent=True, command="python train.py", client=None):
         command=command,
         heartbeat_interval=None,
         cancel_grace=30.0,
+        gpus=gpus,
+        advertise_address=advertise_address,
     )
     FakeRun.instances.clear()
     agent = Agent(
-        config, client=client or FakeClient(), monitor=FakeMonitor(), clock=Clock(), run_factory=FakeRun, stream=FakeStream()
+        config, client=client or FakeClient(), monitor=monitor or FakeMonitor(), clock=Clock(), run_factory=FakeRun, stream=FakeStream()
     )
     agent._start_up()
     return agent
@@ -536,6 +538,42 @@ def test_shutdown_for_a_deleted_worker_is_fatal_with_the_new_worker_fix(caplog):
     assert "was deleted" in line and "create a new one" in line and "rotate token" not in line
 
 
+def test_another_agent_taking_the_worker_over_stops_this_one_saying_who(caplog):
+    agent = registered()
+    run = submit(agent)
+    line = shut_down(
+        agent, caplog, reason="another agent took this worker over", code=protocol.AGENT_REPLACED, agent_name="gpu-b",
+        agent_host="node-7",
+    )
+    assert agent.exit_code == 1 and "disconnect" not in agent.client.names()  # the worker is the other agent's now
+    assert line.startswith("another agent took this worker over with the same token (gpu-b on node-7); this agent stops. Fix: ")
+    assert "one agent per worker" in line
+    agent._shut_down()
+    assert run.stop_reason == STOP_AGENT_EXIT and agent.client.reports("j_1")[-1][1] == "running"  # stopped, not reported
+
+
+def test_an_agent_taken_over_while_its_link_was_cut_stops_when_its_registration_is_refused(caplog):
+    agent = registered()
+    agent.handle(("stream_lost", "connection lost", 120.0))
+    detail = "another agent took this worker over with the same token (gpu-b on node-7); this agent stops"
+    agent.client.script("register", Refused(detail, code=protocol.AGENT_REPLACED))
+    with caplog.at_level(logging.ERROR):
+        agent.tick()
+    assert agent.exit_code == 1 and "disconnect" not in agent.client.names()
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert line.startswith(detail + ". Fix: run one agent per worker")
+
+
+def test_the_agent_sends_its_own_instance_on_every_request():
+    config = AgentConfig(
+        orchestrator_url="http://orch:8001", token="wt_x", name="gpu-1", persistent=True, verify=True,
+        work_dir=Path(WORK_DIR), command="python train.py", heartbeat_interval=None, cancel_grace=30.0,
+    )
+    first, second = Agent(config, monitor=FakeMonitor()), Agent(config, monitor=FakeMonitor())
+    header = first.client.session.headers[protocol.AGENT_INSTANCE_HEADER]
+    assert header == first.instance and len(header) == 32 and second.instance != first.instance
+
+
 @pytest.mark.parametrize("code", [None, "", "something_new", ["token_revoked"]])
 def test_shutdown_without_a_known_code_shows_only_the_reason(caplog, code):
     agent = registered()
@@ -781,7 +819,7 @@ def test_cancel_before_acknowledgement_reports_cancelled_and_never_starts():
     agent.on_event(Event("job_cancel", '{"type": "job_cancel", "job_id": "j_1", "attempt": "a_1"}'))
     assert agent.pending_ack is None and FakeRun.instances == []
     assert agent.client.reports()[-1][1] == "cancelled"
-    assert not (WORK_DIR / "j_1").exists()  # nothing ran: nothing journaled
+    assert not (WORK_DIR / "w_1" / "j_1").exists()  # nothing ran: nothing journaled
     run_until(agent, lambda: False, limit=90)
     assert FakeRun.instances == []
 
@@ -800,11 +838,11 @@ def test_a_new_attempt_of_the_awaited_job_replaces_the_old_dispatch():
 
 
 def outcome(job_id="j_1"):
-    return WORK_DIR / job_id / "outcome.json"
+    return WORK_DIR / "w_1" / job_id / "outcome.json"  # the job dirs of the worker (w_1) it was dispatched to
 
 
 def reported_outcome(job_id="j_1"):
-    return WORK_DIR / job_id / "outcome.reported.json"
+    return WORK_DIR / "w_1" / job_id / "outcome.reported.json"
 
 
 def test_result_is_journaled_before_it_is_reported_and_marked_once_answered():
@@ -828,7 +866,7 @@ def test_result_is_journaled_before_it_is_reported_and_marked_once_answered():
     assert (sent["status"], sent["attempt"], sent["exit_code"]) == ("completed", "a_1", 0)
     assert sent["progress"] == {"step": 10, "total_steps": 10} and sent["log_tail"] == "loss 0.1"
     assert not outcome().exists() and json.loads(reported_outcome().read_text())["report"] == sent
-    assert not list((WORK_DIR / "j_1").glob(".*tmp"))
+    assert not list((WORK_DIR / "w_1" / "j_1").glob(".*tmp"))
 
 
 @pytest.mark.parametrize("answer", [refused("j_1", protocol.STALE_ATTEMPT), {"accepted": True}])
@@ -884,7 +922,7 @@ def test_a_rejected_progress_report_is_not_retried_in_minimal_form():
     run = submit(agent)
     agent.client.script("report:running", _rejected())
     run.emit("line", step=1)
-    agent.report_progress(force=True)
+    agent.report_progress(agent.slots["j_1"], force=True)
     assert [status for _, status, _ in agent.client.reports("j_1")] == ["starting", "running", "running"]
     assert agent.job is run
 
@@ -1088,12 +1126,75 @@ def test_first_sigterm_does_not_interrupt_calls_while_a_trainer_runs():
     agent = registered()
     submit(agent)
     interrupted = []
-    agent.client.interrupt = lambda: interrupted.append(1)
+    agent.client.interrupt = lambda force=False: interrupted.append(1)
     agent.on_os_signal(signal.SIGTERM)
     assert interrupted == []  # it keeps running the job: nothing to hurry
     agent.on_os_signal(signal.SIGTERM)
     assert interrupted == [1]  # the second stops the job now
     assert Interrupted.__mro__[1] is BaseException
+
+
+def test_a_second_signal_without_a_trainer_lets_the_goodbye_finish():
+    """`simpletuner server` sends its agent a second SIGTERM 0.5 s after the first: an idle agent whose
+    disconnect is still in flight then must not cut it short (the worker would stay online until its
+    heartbeat timeout). A third signal still breaks the call."""
+    from worker_agent.client import STOPPING_TIMEOUT, OrchestratorClient
+
+    from .fakes import FakeResponse, FakeSession
+
+    session = FakeSession(FakeResponse(200, {"worker_id": "w_1", "heartbeat_interval": 30}))
+    agent = make_agent(client=OrchestratorClient("http://orch:8001", "wt_x", session=session))
+    agent.tick()
+
+    def second_signal_mid_disconnect():
+        agent.on_os_signal(signal.SIGTERM)  # would raise Interrupted into this call if it cut it short
+        return FakeResponse(200, {"status": "offline"})
+
+    session.script.append(second_signal_mid_disconnect)
+    agent.on_os_signal(signal.SIGTERM)  # idle, outside a call: nothing to break
+    pump(agent)
+    assert session.calls[-1]["url"].endswith("/api/workers/disconnect")
+    assert session.calls[-1]["timeout"] == STOPPING_TIMEOUT
+    assert agent.exit_code == 0  # heard, and the second signal did not turn it into "exiting now"
+
+
+def test_a_first_signal_mid_registration_lets_it_finish_and_then_disconnects():
+    """Registered by the orchestrator but not told yet: cutting the call short would leave the worker online
+    with an agent that cannot say goodbye (it learns its worker id from the answer)."""
+    from worker_agent.client import STOPPING_TIMEOUT, OrchestratorClient
+
+    from .fakes import FakeResponse, FakeSession
+
+    session = FakeSession()
+    agent = make_agent(client=OrchestratorClient("http://orch:8001", "wt_x", session=session))
+
+    def signalled_mid_register():
+        agent.on_os_signal(signal.SIGTERM)  # would raise Interrupted into this call if it cut it short
+        return FakeResponse(200, {"worker_id": "w_1", "heartbeat_interval": 30})
+
+    session.script += [signalled_mid_register, FakeResponse(200, {"status": "offline"})]
+    agent.tick()
+    assert agent.registered
+    pump(agent)
+    assert session.calls[-1]["url"].endswith("/api/workers/disconnect")
+    assert session.calls[-1]["json"] == {"worker_id": "w_1"} and session.calls[-1]["timeout"] == STOPPING_TIMEOUT
+    assert agent.exit_code == 0
+
+
+def test_which_signals_break_a_blocked_call():
+    def interrupts(job_running, signals):
+        agent = registered()
+        if job_running:
+            submit(agent)
+        broken = []
+        agent.client.interrupt = lambda force=False: broken.append((agent.signals_caught, force))
+        for _ in range(signals):
+            agent.on_os_signal(signal.SIGTERM)
+        return broken
+
+    # start the goodbye; let it finish; exit now (the third breaks even a registration)
+    assert interrupts(False, 3) == [(1, False), (3, True)]
+    assert interrupts(True, 3) == [(2, False), (3, True)]  # let the trainer finish; stop it now; exit now
 
 
 def test_the_agent_follows_the_workers_type_and_says_when_its_name_differs(caplog):
@@ -1102,7 +1203,12 @@ def test_the_agent_follows_the_workers_type_and_says_when_its_name_differs(caplo
     with caplog.at_level("WARNING"):
         agent.tick()
     assert agent.registered and agent.config.persistent is True
-    assert "This worker is persistent on the orchestrator, but the agent was started without --persistent" in caplog.text
+    assert (
+        "This worker's type is persistent, set by the operator who created it, and it wins over starting without "
+        "--persistent: this agent stays online between jobs. For an agent that exits after one job, start it with the "
+        'token of an ephemeral worker (admin → Workers → Add worker, or POST /api/admin/workers with "worker_type": '
+        '"ephemeral")'
+    ) in caplog.text
     assert "The orchestrator knows this worker as 'gpu-one', not 'gpu-1'" in caplog.text
 
 
@@ -1111,4 +1217,69 @@ def test_an_agent_agreeing_with_its_worker_says_nothing(caplog):
     agent.client.script("register", {"worker_id": "w_1", "status": "idle", "worker_type": "persistent", "name": "gpu-1"})
     with caplog.at_level("WARNING"):
         agent.tick()
-    assert agent.config.persistent is True and "orchestrator knows" not in caplog.text and "following" not in caplog.text
+    assert agent.config.persistent is True and "orchestrator knows" not in caplog.text and "set by the operator" not in caplog.text
+
+
+# --- agents of several workers sharing one work dir -------------------------------------------------
+
+
+def _agent_of(worker_id, token):
+    client = FakeClient()
+    client.script("register", {"worker_id": worker_id, "status": "idle", "heartbeat_interval": 30})
+    return make_agent(client=client, token=token)
+
+
+def _finish_undelivered(agent, job_id):
+    """Run ``job_id`` on ``agent`` to its end with the orchestrator unreachable: its result stays journaled."""
+    run = submit(agent, job_id=job_id)
+    agent.client.script("report:completed", TransientError("cannot reach the orchestrator: connection refused"))
+    run.exit(0)
+    pump(agent)
+    assert agent.pending_report is not None
+
+
+def test_an_agent_reports_only_its_own_workers_results_from_a_shared_work_dir():
+    first = _agent_of("w_a", "wt_a")
+    first.tick()
+    _finish_undelivered(first, "j_a")
+    kept = WORK_DIR / "w_a" / "j_a" / "outcome.json"
+    assert json.loads(kept.read_text())["worker_id"] == "w_a"
+    # the first agent dies; an agent of another worker starts in the same work dir
+    second = _agent_of("w_b", "wt_b")
+    assert second.journaled == []
+    run_until(second, lambda: second.registered)
+    assert second.client.reports() == [] and kept.exists()
+    assert (WORK_DIR / "w_b" / "worker.json").exists()
+    # the first worker's agent comes back: it knows its worker by its token and reports before registering
+    again = _agent_of("w_a", "wt_a")
+    assert [(entry.job_id, legacy) for entry, legacy in again.journaled] == [("j_a", False)]
+    again.tick()
+    assert again.client.names() == ["report", "register"]
+    assert again.client.reports()[0][:2] == ("j_a", "completed") and not kept.exists()
+
+
+def test_a_legacy_result_refused_as_another_workers_is_left_in_place_for_its_owner():
+    from worker_agent import journal
+
+    legacy = journal.write_outcome(WORK_DIR / "j_old", "j_old", {"status": "completed", "attempt": "a_1"})  # no worker id
+    other = _agent_of("w_b", "wt_b")
+    other.client.script("report:completed", refused("j_old"))
+    other.tick()
+    assert other.registered and legacy.exists()  # not its job: untouched, not marked reported
+    assert other.finished_attempts == []  # nor taken for an attempt of its own
+    owner = _agent_of("w_a", "wt_a")
+    owner.tick()
+    assert owner.client.reports()[0][:2] == ("j_old", "completed")
+    assert not legacy.exists() and legacy.with_name("outcome.reported.json").exists()
+
+
+def test_a_rotated_token_finds_its_workers_results_once_registered():
+    first = _agent_of("w_a", "wt_old")
+    first.tick()
+    _finish_undelivered(first, "j_a")
+    kept = WORK_DIR / "w_a" / "j_a" / "outcome.json"
+    rotated = _agent_of("w_a", "wt_new")
+    assert rotated.journaled == []  # the new token is not known here yet
+    rotated.tick()
+    assert rotated.client.names() == ["register", "report"]
+    assert rotated.client.reports()[0][:2] == ("j_a", "completed") and not kept.exists()

@@ -81,3 +81,42 @@ def test_agent_only_simpletuner_has_just_the_worker_command(capsys):
     assert "invalid choice" in capsys.readouterr().err
     assert simpletuner_main(["worker", "--worker-token", "t"]) == 2
     assert "no orchestrator URL" in capsys.readouterr().err
+
+
+# --- --gpus and --advertise-address (several jobs per worker, multi-node jobs) -------------------------
+
+
+def test_gpus_and_advertise_address_from_flags_and_environment():
+    base = ["--orchestrator-url", URL, "--worker-token", "t"]
+    env = {"SIMPLETUNER_WORKER_GPUS": "0, 1,2,3", "SIMPLETUNER_WORKER_ADDRESS": " 10.0.0.7 "}
+    c = config(base, env)
+    assert c.gpus == [0, 1, 2, 3] and c.advertise_address == "10.0.0.7"
+    c = config([*base, "--gpus", "3,1", "--advertise-address", "node-b.lan"], env)
+    assert c.gpus == [3, 1] and c.advertise_address == "node-b.lan"
+    c = config(base)
+    assert c.gpus is None and c.advertise_address is None  # every GPU NVML sees; the address the orchestrator sees
+    assert config(base, {"SIMPLETUNER_WORKER_GPUS": ""}).gpus is None
+
+
+@pytest.mark.parametrize(
+    "argv,env,message",
+    [
+        (["--gpus", "0,a"], {}, "--gpus must be a comma-separated list of GPU indices"),
+        (["--gpus", "-1"], {}, "--gpus must be a comma-separated list"),
+        (["--gpus", "0,,1"], {}, "--gpus must be a comma-separated list"),
+        (["--gpus", "1.5"], {}, "--gpus must be a comma-separated list"),
+        (["--gpus", "0,1,0"], {}, "names GPU 0 twice"),
+        (["--gpus", " "], {}, "--gpus is empty"),
+        ([], {"SIMPLETUNER_WORKER_GPUS": "all"}, "SIMPLETUNER_WORKER_GPUS must be a comma-separated list"),
+    ],
+)
+def test_bad_gpus_is_one_clear_error(argv, env, message):
+    with pytest.raises(ConfigError) as caught:
+        config(["--orchestrator-url", URL, "--worker-token", "t", *argv], env)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_bad_gpus_exits_2_with_one_line(capsys):
+    assert simpletuner_main(["worker", "--orchestrator-url", URL, "--worker-token", "t", "--gpus", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--gpus must be a comma-separated list" in err

@@ -199,3 +199,24 @@ def test_a_reset_before_any_answer_still_looks_for_a_wrong_scheme(monkeypatch):
     with pytest.raises(FatalError) as caught:
         c.register({"name": "n"})
     assert "speaks plain HTTP, not HTTPS" in str(caught.value)
+
+
+def test_interrupt_leaves_a_registration_in_flight_unless_forced():
+    """The orchestrator may have registered the worker already: only the answer's worker id lets the agent
+    disconnect it, so a first signal lets the call finish; a forced interrupt (the third signal) breaks it."""
+    c = client()
+
+    def signalled_mid_register():
+        c.interrupt()  # not broken
+        return FakeResponse(200, {"worker_id": "w_1"})
+
+    c.session.script.append(signalled_mid_register)
+    assert c.register({})["worker_id"] == "w_1" and c.worker_id == "w_1"
+
+    def forced_mid_register():
+        c.interrupt(force=True)
+        raise AssertionError("not interrupted")
+
+    c.session.script.append(forced_mid_register)
+    with pytest.raises(TransientError, match="interrupted"):
+        c.register({})

@@ -400,3 +400,39 @@ def test_the_real_pynvml_and_psutil_work_on_this_machine():
     assert 0.0 < sample["memory_percent"] < 100.0
     assert sample["memory_used_gb"] > 0
     assert isinstance(describe(caps), str) and describe(caps)
+
+
+# --- --gpus: restricting the monitor, or declaring GPU slots ----------------------------------------
+
+
+def test_gpus_restrict_capabilities_samples_and_slots_to_those_nvml_sees():
+    cards = [a100(0, util=10), a100(1, util=20), a100(2, util=30), a100(3, util=40)]
+    monitor = monitor_for(FakeNVML(cards))
+    assert monitor.slots() == ([0, 1, 2, 3], False)  # by default: every GPU NVML sees
+    monitor.use_gpus([3, 1])
+    caps = monitor.capabilities()
+    assert caps["gpu_count"] == 2 and caps["gpu_info"]["count"] == 2
+    assert [gpu["index"] for gpu in caps["gpus"]] == [1, 3] and caps["accelerator_type"] == "cuda"
+    sample = monitor.sample()
+    assert [gpu["index"] for gpu in sample["gpus"]] == [1, 3] and sample["gpu_utilization"] == [20, 40]
+    assert monitor.slots() == ([1, 3], False)
+
+
+def test_gpus_naming_a_gpu_nvml_does_not_see_is_refused():
+    monitor = monitor_for(FakeNVML([a100(0), a100(1)]))
+    with pytest.raises(ValueError) as caught:
+        monitor.use_gpus([1, 2, 5])
+    assert str(caught.value) == "--gpus names GPU 2, 5, which NVML does not see (it sees 0, 1)"
+    assert monitor.slots() == ([0, 1], False)  # unchanged
+
+
+@pytest.mark.parametrize("nvml", [FakeNVML([]), FakeNVML([], init_error=FakeNVMLError("no driver"))], ids=["no-device", "no-driver"])
+def test_gpus_without_nvml_gpus_declare_slots_never_reported_as_nvidia(nvml):
+    monitor = monitor_for(nvml)
+    monitor.use_gpus([0, 1, 2, 3])
+    caps = monitor.capabilities()
+    assert caps["gpu_count"] == 4 and caps["gpu_info"]["count"] == 4
+    assert caps["gpus"] == [] and caps["gpu_name"] == "" and caps["gpu_vram_gb"] is None
+    assert caps["accelerator_type"] == "cpu" and caps["gpu_info"]["accelerator"] is None
+    assert monitor.slots() == ([0, 1, 2, 3], True)
+    assert monitor.sample()["gpus"] == []

@@ -42,7 +42,7 @@ def test_undelivered_lists_outcomes_oldest_first_and_skips_unreadable_ones(tmp_p
     (tmp_path / "j_done").mkdir()
     (tmp_path / "j_done" / "outcome.reported.json").write_text("{}")
     found = journal.undelivered(tmp_path)
-    assert [(job_id, report["attempt"]) for _, job_id, report in found] == [("j_old", "a_1"), ("j_new", "a_2")]
+    assert [(entry.job_id, entry.report["attempt"]) for entry in found] == [("j_old", "a_1"), ("j_new", "a_2")]
     assert journal.undelivered(tmp_path / "missing") == []
 
 
@@ -52,3 +52,22 @@ def test_mark_delivered_renames_and_tolerates_a_missing_file(tmp_path):
     assert not path.exists() and (tmp_path / "j_1" / "outcome.reported.json").exists()
     assert journal.undelivered(tmp_path) == []
     journal.mark_delivered(path)  # again: nothing to do, nothing raised
+
+
+def test_a_worker_is_found_again_by_its_token_and_results_of_another_worker_are_left_alone(tmp_path):
+    assert journal.worker_of_token(tmp_path, "wt_a") is None
+    directory = journal.remember_worker(tmp_path, "w_a", "wt_a")
+    journal.remember_worker(tmp_path, "w_a", "wt_a2")  # a rotated token: both are the worker's
+    assert directory == tmp_path / "w_a"
+    assert "wt_a" not in (directory / "worker.json").read_text()  # digests only
+    assert journal.worker_of_token(tmp_path, "wt_a") == journal.worker_of_token(tmp_path, "wt_a2") == "w_a"
+    assert journal.worker_of_token(tmp_path, "wt_b") is None
+    mine = journal.write_outcome(directory / "j_1", "j_1", {"status": "failed", "attempt": "a_1"}, worker_id="w_a")
+    journal.write_outcome(directory / "j_2", "j_2", {"status": "failed", "attempt": "a_2"}, worker_id="w_b")
+    assert [(entry.path, entry.job_id) for entry in journal.undelivered(directory, worker_id="w_a")] == [(mine, "j_1")]
+
+
+@pytest.mark.parametrize("worker_id", ["..", "a/b", "", None, "x" * 65])
+def test_a_worker_id_that_is_no_plain_directory_name_is_refused(tmp_path, worker_id):
+    with pytest.raises(ValueError):
+        journal.remember_worker(tmp_path, worker_id, "wt_a")

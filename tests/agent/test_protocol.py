@@ -73,3 +73,19 @@ def test_minimal_report_leaves_out_an_exit_code_out_of_range():
     }
     assert protocol.RESULT_STATUSES == {"completed", "failed", "cancelled"}
     assert (protocol.EXIT_CODE_MIN, protocol.EXIT_CODE_MAX) == (-(2**31), 2**32 - 1)
+
+
+def test_what_a_trainer_is_given_uses_torchruns_and_simpletuners_names():
+    assert protocol.VISIBLE_DEVICES_ENV == "CUDA_VISIBLE_DEVICES"
+    assert protocol.GANG_ENV == {"master_addr": "MASTER_ADDR", "master_port": "MASTER_PORT", "node_rank": "NODE_RANK", "num_nodes": "NNODES"}
+    assert [protocol.VISIBLE_DEVICES_CONFIG_KEY, protocol.NUM_PROCESSES_CONFIG_KEY, protocol.SAME_NETWORK_CONFIG_KEY] == [
+        "accelerate_visible_devices",
+        "num_processes",
+        "same_network",
+    ]
+    assert protocol.GANG_CONFIG_KEYS == {
+        "num_nodes": "num_machines",
+        "node_rank": "machine_rank",
+        "master_addr": "main_process_ip",
+        "master_port": "main_process_port",
+    }

@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import socket
 import sys
 import textwrap
 import threading
@@ -210,3 +211,125 @@ def test_output_lines_never_accepted_beyond_its_memory_are_skipped_by_number(mon
     for n in range(5):
         output.add(f"line {n}".encode())
     assert output.log_chunk() == {"from": 2, "lines": ["line 2", "line 3", "line 4"]}  # lines 0-1 were lost
+
+
+# --- where a job runs: its GPUs, and for a multi-node job its rendezvous (issue 30) ---------------------
+
+PRINT_PLACEMENT = """
+import json, os
+keys = ["CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "NNODES"]
+print(json.dumps({k: os.environ.get(k) for k in keys}))
+"""
+
+
+def run_placed(tmp_path, job_id, config, placement, monkeypatch):
+    for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "NNODES"):
+        monkeypatch.delenv(name, raising=False)
+    # One script per job: rewriting the one another trainer is starting from would hand it an empty file.
+    code = tmp_path / f"trainer-{job_id}.py"
+    code.write_text(textwrap.dedent(PRINT_PLACEMENT))
+    done = threading.Event()
+    run = JobRun(
+        job_id=job_id, attempt="a_1", config=config, dataloader=None, work_dir=tmp_path / "jobs",
+        command=[sys.executable, str(code)], on_exit=lambda finished: done.set(), placement=placement,
+    )  # fmt: skip
+    run.start()
+    return run, done
+
+
+def test_each_of_four_jobs_sees_its_own_gpus_in_its_environment_and_config(tmp_path, monkeypatch):
+    runs = [
+        run_placed(tmp_path, f"j_{index}", {"max_train_steps": 3, "num_processes": 8}, {"gpu_indices": [index]}, monkeypatch)
+        for index in range(4)
+    ]
+    for index, (run, done) in enumerate(runs):
+        assert done.wait(10) and run.returncode == 0
+        seen = json.loads(run.log_tail())
+        assert seen == {"CUDA_VISIBLE_DEVICES": str(index), "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "MASTER_ADDR": None,
+                        "MASTER_PORT": None, "NODE_RANK": None, "NNODES": None}  # fmt: skip
+        written = json.loads((run.job_dir / "config.json").read_text())
+        assert written["accelerate_visible_devices"] == str(index) and written["num_processes"] == 1
+        assert "num_machines" not in written and "same_network" not in written
+
+
+def test_a_multi_node_member_gets_the_rendezvous_in_env_and_config_in_the_configs_key_style(tmp_path, monkeypatch):
+    placement = {"gpu_indices": [2, 3], "num_nodes": 2, "node_rank": 1, "master_addr": "10.0.0.5", "master_port": 29511}
+    run, done = run_placed(tmp_path, "j_gang", {"--model_type": "lora", "--num_processes": 1}, placement, monkeypatch)
+    assert done.wait(10) and run.returncode == 0
+    assert json.loads(run.log_tail()) == {
+        "CUDA_VISIBLE_DEVICES": "2,3", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "29511", "NODE_RANK": "1", "NNODES": "2",
+    }  # fmt: skip
+    written = json.loads((run.job_dir / "config.json").read_text())
+    assert {k: v for k, v in written.items() if k not in ("--output_dir", "--webhook_config")} == {
+        "--model_type": "lora",
+        "--num_processes": 4,  # 2 GPUs here x 2 nodes
+        "--accelerate_visible_devices": "2,3",
+        "--num_machines": 2,
+        "--machine_rank": 1,
+        "--main_process_ip": "10.0.0.5",
+        "--main_process_port": 29511,
+        "--same_network": True,
+    }
+
+
+def test_a_whole_worker_restricted_by_gpus_is_in_the_environment_only(tmp_path, monkeypatch):
+    from worker_agent.runner import WORKER_GPUS
+
+    run, done = run_placed(tmp_path, "j_whole", {"num_processes": 2}, {WORKER_GPUS: [2, 3]}, monkeypatch)
+    assert done.wait(10) and run.returncode == 0
+    seen = json.loads(run.log_tail())
+    assert (seen["CUDA_VISIBLE_DEVICES"], seen["CUDA_DEVICE_ORDER"], seen["NNODES"]) == ("2,3", "PCI_BUS_ID", None)
+    written = json.loads((run.job_dir / "config.json").read_text())
+    assert set(written) == {"num_processes", "output_dir", "webhook_config"} and written["num_processes"] == 2
+
+
+def test_without_a_placement_config_and_environment_are_as_before(tmp_path, monkeypatch):
+    run, done = run_placed(tmp_path, "j_plain", {"num_processes": 2}, None, monkeypatch)
+    assert done.wait(10) and run.returncode == 0
+    assert set(json.loads(run.log_tail()).values()) == {None}
+    written = json.loads((run.job_dir / "config.json").read_text())
+    assert written["num_processes"] == 2 and "accelerate_visible_devices" not in written
+    assert set(written) == {"num_processes", "output_dir", "webhook_config"}
+
+
+RENDEZVOUS = """
+import os, socket, sys, time
+rank, addr, port = int(os.environ["NODE_RANK"]), os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+if rank == 0:
+    server = socket.create_server((addr, port))
+    server.settimeout(10)
+    peer, _ = server.accept()
+else:
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            peer = socket.create_connection((addr, port), timeout=1)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+peer.sendall(str(rank).encode())
+print(f"rank {rank} of {os.environ['NNODES']} met rank {peer.recv(16).decode()}")
+"""
+
+
+def test_two_members_meet_at_the_rendezvous_their_environment_names(tmp_path, monkeypatch):
+    with socket.socket() as probe:  # a free port (the orchestrator assigns one; nothing holds it when trainers start)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    code = tmp_path / "rendezvous.py"
+    code.write_text(textwrap.dedent(RENDEZVOUS))
+    members = []
+    for rank in (1, 0):  # the member that connects may start first
+        done = threading.Event()
+        placement = {"gpu_indices": [rank], "num_nodes": 2, "node_rank": rank, "master_addr": "127.0.0.1", "master_port": port}
+        run = JobRun(
+            job_id=f"j_rank{rank}", attempt="a_1", config={}, dataloader=None, work_dir=tmp_path / f"node{rank}",
+            command=[sys.executable, str(code)], on_exit=lambda finished, done=done: done.set(), placement=placement,
+        )  # fmt: skip
+        members.append((rank, run.start(), done))
+    for rank, run, done in members:
+        assert done.wait(20) and run.returncode == 0, run.log_tail()
+        assert run.log_tail() == f"rank {rank} of 2 met rank {1 - rank}"

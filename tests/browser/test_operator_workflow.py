@@ -7,6 +7,7 @@ One real daphne, one real ``python -m worker_agent`` running the example trainer
 import json
 import re
 import secrets
+import socket
 
 import pytest
 from django.contrib.admin.utils import quote, unquote
@@ -48,7 +49,7 @@ def test_operator_adds_a_worker_watches_it_work_drains_and_rotates(logged_in_pag
     # Add worker: the token and a ready-to-paste command, once.
     token, command = _add_worker(page, name, labels)
     assert re.fullmatch(r"wt_[\w-]{20,}", token), token
-    assert command.startswith(f"SIMPLETUNER_WORKER_TOKEN={token} simpletuner worker --orchestrator-url http")
+    assert command.startswith(f"SIMPLETUNER_WORKER_TOKEN={token} .venv/bin/simpletuner worker --orchestrator-url http")
     assert f"--name {name} --persistent" in command
     page.get_by_role("link", name="Go to the worker").click()
     expect(page.locator("#content")).to_contain_text(name)
@@ -65,6 +66,13 @@ def test_operator_adds_a_worker_watches_it_work_drains_and_rotates(logged_in_pag
     handle = WorkerHandle(live_orchestrator, {"worker_id": worker_id, "name": name, "token": token})
     agent = agents.start(handle)
     expect(row.locator(".field-status_display")).to_contain_text("Idle", timeout=LIVE_S)
+
+    # The worker's page names the agent that serves it: its name, its host and its instance.
+    detail = page.context.new_page()
+    detail.goto(f"{WORKERS}{quote(worker_id)}/change/")
+    expect(detail.locator(".field-serving_agent_display")).to_contain_text(f"on {socket.gethostname()} · instance ")
+    screenshot(detail, "worker-serving-agent")
+    detail.close()
 
     # Submit a job from the form in a second tab; the first keeps watching.
     form = page.context.new_page()
@@ -93,7 +101,8 @@ def test_operator_adds_a_worker_watches_it_work_drains_and_rotates(logged_in_pag
     assert form.evaluate("window.__not_reloaded") is True
     expect(form.locator(".st-log")).to_contain_text("step")
     expect(form.locator("#attempts-group")).to_contain_text(name)
-    expect(form.locator(".st-audit")).to_contain_text("job.dispatched")
+    expect(form.locator(".st-audit")).to_contain_text("job.status_changed")
+    expect(form.locator(".st-audit-more")).to_contain_text(f"audit rows for {job_id}")
     form.reload()  # the buttons are drawn for the status the page was loaded with
     expect(form.locator("#cancel-job")).to_have_count(0)
     screenshot(form, "job-detail")

@@ -265,7 +265,14 @@ class AgentRunner:
             overrides["SIMPLETUNER_WORKER_TOKEN"] = worker.token
         else:
             args += ["--worker-token", worker.token]
-        return self.spawn([*args, *extra_args], label=label, env=self.env(**overrides), work_dir=work_dir, worker=worker)
+        # The agent keeps the worker's job dirs in <work dir>/<worker id> (worker_agent.journal).
+        return self.spawn([*args, *extra_args], label=label, env=self.env(**overrides), work_dir=work_dir / worker.id, worker=worker)
+
+    def again(self, agent, *, label):
+        """Start the next agent of ``agent``'s worker on its node: the same arguments (its work dir among them)."""
+        worker = agent.worker
+        env = self.env(SIMPLETUNER_WORKER_TOKEN=worker.token)
+        return self.spawn(agent.argv[3:], label=label, env=env, work_dir=agent.work_dir, worker=worker)
 
     def wait_ready(self, agent, *, timeout=READY_DEADLINE_S):
         """Wait until ``agent`` has registered and the orchestrator sees its stream open; return the worker state."""
@@ -292,7 +299,8 @@ class AgentRunner:
             agent.kill()
         for agent in self.agents:
             if agent.work_dir is not None and agent.work_dir.is_dir():
-                for job_dir in agent.work_dir.iterdir():
+                # Job dirs, or (a work dir given whole, as the soak does) worker dirs holding them.
+                for job_dir in [*agent.work_dir.glob("*"), *agent.work_dir.glob("*/*")]:
                     for process in trainer_processes(job_dir, supervisors=True):
                         process.kill()
         for job_id in self.jobs:

@@ -6,6 +6,7 @@ data dir, or a brand-new PostgreSQL database) and is reached only over HTTP.
 
 import pytest
 
+from .agent_harness import AgentRunner, write_import_blocker
 from .harness import Fleet, Orchestrator, create_database, drop_database
 
 _SERVER = pytest.StashKey()
@@ -80,6 +81,20 @@ def fleet(request, orchestrator):
     fleet = Fleet(orchestrator, request.node.originalname.removeprefix("test_").replace("_", "-"))
     yield fleet
     fleet.cleanup()
+
+
+@pytest.fixture(scope="module")
+def blocker_dir(tmp_path_factory):
+    """A directory whose ``sitecustomize`` makes Django and the orchestrator's packages unimportable to agents."""
+    return write_import_blocker(tmp_path_factory.mktemp("no-django"))
+
+
+@pytest.fixture
+def agents(orchestrator, fleet, tmp_path, blocker_dir):
+    """Real agent processes for one test against ``orchestrator``; all killed (their logs shown) afterwards."""
+    runner = AgentRunner(orchestrator, fleet, tmp_path, blocker_dir=blocker_dir)
+    yield runner
+    runner.cleanup()
 
 
 @pytest.hookimpl(wrapper=True)

@@ -120,6 +120,24 @@ def drop_database(server_url, database_url):
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+def own_orchestrator(request, data_dir, **options):
+    """Yield a started Orchestrator of a test's own on ``request.param``'s backend: ``"sqlite"`` (the embedded
+    default) or ``"postgres"`` (a brand-new database beside DATABASE_URL's, with REDIS_URL: the fixtures
+    ``postgres_url`` and ``redis_url``); ``options`` go to Orchestrator. Stop it and drop its database after."""
+    server_url = database_url = redis_url = None
+    if request.param == "postgres":
+        server_url = request.getfixturevalue("postgres_url")
+        redis_url = request.getfixturevalue("redis_url")
+        database_url = create_database(server_url)
+    server = Orchestrator(backend=request.param, data_dir=data_dir, database_url=database_url, redis_url=redis_url, **options)
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+        if database_url:
+            drop_database(server_url, database_url)
+
+
 # --- the orchestrator process ---------------------------------------------------------------------
 
 

@@ -14,7 +14,6 @@ import pytest
 from .agent_harness import (
     BLOCKED_MARK,
     BLOCKED_MODULES,
-    AgentRunner,
     admin_post,
     agent_environment,
     job_in,
@@ -22,7 +21,6 @@ from .agent_harness import (
     process_gone,
     trainer_processes,
     worker_when,
-    write_import_blocker,
 )
 from worker_agent import protocol, supervisor
 
@@ -43,18 +41,6 @@ NEGATIVE_WINDOW_S = 1.5
 SHORT_JOB = {"max_train_steps": 35, "step_delay": 0.1, "learning_rate": 0.05, "seed": 7, "checkpoint_every": 10}
 QUICK_JOB = {"max_train_steps": 5, "step_delay": 0.02}
 LONG_JOB = {"max_train_steps": 2000, "step_delay": 0.05}  # 100 s: only ever stopped early
-
-
-@pytest.fixture(scope="module")
-def blocker_dir(tmp_path_factory):
-    return write_import_blocker(tmp_path_factory.mktemp("no-django"))
-
-
-@pytest.fixture
-def agents(orchestrator, fleet, tmp_path, blocker_dir):
-    runner = AgentRunner(orchestrator, fleet, tmp_path, blocker_dir=blocker_dir)
-    yield runner
-    runner.cleanup()
 
 
 def no_traceback(agent):
@@ -119,8 +105,10 @@ def test_job_runs_to_completion_with_progress(orchestrator, fleet, agents):
     assert [a["outcome"] for a in job["attempts"]] == ["completed"]
 
     job_dir = agent.work_dir / job_id
-    # The agent declares the output directory it uploads at the end: <job dir>/output unless the config names one.
-    assert json.loads((job_dir / "config.json").read_text()) == {**SHORT_JOB, "output_dir": str(job_dir / "output")}
+    # The agent declares the output directory it uploads at the end, <job dir>/output, and its webhook receiver.
+    written = json.loads((job_dir / "config.json").read_text())
+    assert [hook["webhook_type"] for hook in written.pop("webhook_config")] == ["raw"]
+    assert written == {**SHORT_JOB, "output_dir": str(job_dir / "output")}
     checkpoint = json.loads((job_dir / "output" / "checkpoint.json").read_text())
     assert (checkpoint["step"], checkpoint["complete"], checkpoint["seed"]) == (35, True, 7)
     stored = {a["key"]: a for a in job["artifacts"]}
@@ -461,13 +449,7 @@ def trainer_runs(job_dir):
 
 def restart_and_see_it_completed_once(orchestrator, agents, agent, worker, job_id, attempt):
     """Start the next agent on ``agent``'s node; wait for the job to end: completed on its one attempt."""
-    again = agents.spawn(
-        agent.argv[3:],
-        label=f"{agent.label}-again",
-        env=agents.env(SIMPLETUNER_WORKER_TOKEN=worker.token),
-        work_dir=agent.work_dir,
-        worker=worker,
-    )
+    again = agents.again(agent, label=f"{agent.label}-again")
     job = job_in(orchestrator, job_id, "completed", "failed", "cancelled", "queued", timeout=JOB_DEADLINE_S)
     assert (job["status"], job["exit_code"], job["attempt_count"]) == ("completed", 0, 1), job
     assert [(a["lease_id"], a["outcome"], a["worker_id"]) for a in job["attempts"]] == [(attempt, "completed", worker.id)]
@@ -663,8 +645,10 @@ def test_trainer_printing_nul_and_invalid_utf8_completes_with_its_log(orchestrat
 
     job = job_in(orchestrator, job_id, "completed", "failed", "cancelled", timeout=JOB_DEADLINE_S)
     assert (job["status"], job["exit_code"]) == ("completed", 0), job
-    assert job["log_tail"] == "start\nnul:\ufffd:between\nbad utf8: \ufffd\ufffd\ufffd( end\ndone"
-    assert job["progress"] == {"step": 2, "total_steps": 2, "fraction": 1.0, "message": "m\ufffdx"}
+    # Output is text (docs/agent-guide.md): the agent drops control characters (the NUL), the orchestrator stores
+    # what cannot be decoded as U+FFFD.
+    assert job["log_tail"] == "start\nnul::between\nbad utf8: \ufffd\ufffd\ufffd( end\ndone"
+    assert job["progress"] == {"step": 2, "total_steps": 2, "fraction": 1.0, "message": "mx"}
     assert [a["outcome"] for a in job["attempts"]] == ["completed"]
     worker_when(orchestrator, worker.id, lambda w: (w["status"], w["current_job_id"]) == ("idle", None))
     assert not agent.has_line("rejected")
@@ -680,8 +664,8 @@ def test_failed_report_with_a_nul_in_its_reason_ends_failed_not_running(orchestr
 
     job = job_in(orchestrator, job_id, "completed", "failed", "cancelled", timeout=JOB_DEADLINE_S)
     assert (job["status"], job["exit_code"]) == ("failed", 3), job
-    assert job["last_error"] == "Training exited with code 3: RuntimeError: bad\ufffdbyte"
-    assert job["log_tail"].endswith("bad utf8: \ufffd\ufffd\ufffd( end\nRuntimeError: bad\ufffdbyte")
+    assert job["last_error"] == "Training exited with code 3: RuntimeError: badbyte"
+    assert job["log_tail"].endswith("bad utf8: \ufffd\ufffd\ufffd( end\nRuntimeError: badbyte")
     assert [(a["outcome"], a["error"]) for a in job["attempts"]] == [("failed", job["last_error"])]
     worker_when(orchestrator, worker.id, lambda w: (w["status"], w["current_job_id"]) == ("idle", None))
     agent.wait_for_line(f"Job {job_id} failed after")

@@ -66,6 +66,10 @@ def test_a_wrong_path_and_a_refused_connection_are_said_at_once(orchestrator, fl
     worker = fleet.create_worker(labels={"pool": fleet.tag})
     wrong_path = agents.start(worker, orchestrator_url=orchestrator.base_url + "/api")
     _fails_with(wrong_path, "has no worker API (HTTP 404")
+    # Under /admin the admin answers the POST with its CSRF page (403): that is no word about the token.
+    admin_path = agents.start(worker, orchestrator_url=orchestrator.base_url + "/admin")
+    line = _fails_with(admin_path, "has no worker API (HTTP 403")
+    assert "rotated" not in line and "pass the orchestrator's base URL" in line
     refused = agents.start(worker, orchestrator_url=f"http://127.0.0.1:{free_port()}")
     refused.wait_for_line("connection refused", timeout=5)
     assert refused.running()  # transient: a persistent agent keeps trying
@@ -74,7 +78,10 @@ def test_a_wrong_path_and_a_refused_connection_are_said_at_once(orchestrator, fl
 def test_the_agents_own_name_and_type_are_shown_and_reconciled(orchestrator, fleet, agents):
     worker = fleet.create_worker(labels={"pool": fleet.tag})  # persistent
     agent = agents.start(worker, persistent=False, extra_args=("--name", "calls-itself-this"))
-    agent.wait_for_line("following the orchestrator (stays online between jobs)")
+    index = agent.wait_for_line("set by the operator who created it, and it wins over starting without --persistent")
+    line = agent.lines()[index]
+    assert "this agent stays online between jobs" in line
+    assert 'start it with the token of an ephemeral worker (admin → Workers → Add worker, or POST /api/admin/workers with "worker_type": "ephemeral")' in line
     agent.wait_for_line(f"The orchestrator knows this worker as '{worker.name}', not 'calls-itself-this'")
     state = worker_when(orchestrator, worker.id, lambda w: w["agent_name"] == "calls-itself-this", message="agent name")
     assert state["agent_persistent"] is False

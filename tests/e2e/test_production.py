@@ -1,13 +1,17 @@
-"""The production stack end to end: two daphne servers sharing PostgreSQL and a private Redis that is restarted."""
+"""The production stack end to end: two daphne servers sharing PostgreSQL and a private Redis that is restarted; and
+every entry point (manage.py, the server, Celery) configured by one environment file (SIMPLETUNER_ENV_FILE)."""
 
 import contextlib
+import hashlib
+import re
 import time
 
 import pytest
 
-from .harness import Fleet, Orchestrator, WorkerHandle, create_database, drop_database, expect
+from .harness import Fleet, Orchestrator, WorkerHandle, create_database, drop_database, expect, poll
 from ..services import missing_service
 from .redis_harness import RedisServer, redis_server_binary
+from .test_startup import EnvFileOrchestrator
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.postgres]
 
@@ -19,6 +23,7 @@ RECOVERY_DEADLINE_S = 15
 # A request that publishes while Redis is down must not wait on it for long.
 REQUEST_DURING_OUTAGE_S = 3
 EVENTS_CHANNEL = "events_channel"
+SWEEP_RAN = re.compile(r"Task [\w.]+\[[^]]+\] succeeded")
 
 
 class ProductionStack:
@@ -219,3 +224,36 @@ def test_open_streams_survive_a_redis_restart(request, stack, fleet):
 
         log = a.read_log(a_log)
         assert "Redis event listener lost" in log and "Redis event listener reconnected" in log
+
+
+def test_one_env_file_names_the_database_and_redis_of_manage_py_the_server_and_celery(tmp_path, postgres_url, redis_url):
+    """Issue 32.1: a token made with SIMPLETUNER_ENV_FILE=... manage.py create_api_token lands in the file's PostgreSQL
+    database, which the server (and Celery, on the file's Redis) use too: nothing but the file names them."""
+    import psycopg
+
+    database_url = create_database(postgres_url)
+    server = EnvFileOrchestrator(
+        backend="postgres-env-file",
+        data_dir=tmp_path / "data",
+        env_file=tmp_path / "orchestrator.env",
+        database_url=database_url,
+        redis_url=redis_url,
+        via_cli=True,
+        celery=True,
+    )
+    try:
+        server.write_env_file().start()  # manage.py migrate + create_api_token, the server, Celery worker and beat
+        assert server.admin("GET", "/api/queue/").status_code == 200
+        with psycopg.connect(database_url) as conn:
+            digest = hashlib.sha256(server.admin_token.encode()).hexdigest()
+            assert conn.execute("SELECT count(*) FROM workers_token WHERE digest = %s", [digest]).fetchone() == (1,)
+        # a sweep Celery beat handed out through the file's Redis ran on the file's database
+        poll(lambda: SWEEP_RAN.search(server.read_celery_log()), timeout=30, message="a sweep to run in Celery")
+        log, celery_log = server.read_log(), server.read_celery_log()
+    finally:
+        server.stop()
+        drop_database(postgres_url, database_url)
+    assert f"  Env file     {tmp_path / 'orchestrator.env'}" in log
+    assert f"  Database     postgresql {database_url}" in log
+    host_and_db = redis_url.split("@")[-1].removeprefix("redis://")
+    assert f"Connected to redis://:**@{host_and_db}" in celery_log or f"Connected to redis://{host_and_db}" in celery_log

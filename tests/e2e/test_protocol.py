@@ -4,6 +4,8 @@ import json
 
 import pytest
 
+from worker_agent import protocol
+
 from .harness import expect, poll
 
 pytestmark = pytest.mark.e2e
@@ -348,32 +350,28 @@ def test_a_stream_refused_or_with_the_librarys_own_parameters_never_leaves_a_pha
     assert first.wait_for("job_submit").json()["job_id"] == job_id
 
 
-def test_a_second_stream_for_a_worker_never_strands_its_jobs(orchestrator, fleet):
-    """The curl stream of docs/operator-guide.md beside a running agent: both get the worker's events, and
-    when the curl closes the agent's stream still serves, so a job submitted then reaches it at once (issue 14.1)."""
+def test_a_second_stream_on_a_workers_token_takes_over_and_jobs_reach_it_alone(orchestrator, fleet):
+    """A second stream with a worker's token (a curl, or SimpleTuner's released agent, which sends no instance):
+    the newest serves. The first is told who took over and ends; the job goes to the second alone; when the
+    second closes, the worker has no stream and gets no job (issue 32, item 6; it was issue 14.1's "both")."""
     pool = {"pool": fleet.tag}
     worker = fleet.create_worker(labels=pool)
-    worker.register()
-    agent = fleet.open_stream(worker)
+    worker.register({"name": worker.name, "hostname": "node-1"})
+    first = fleet.open_stream(worker)
     assert worker.state()["open_streams"] == 1
-    curl = fleet.open_stream(worker)
-    assert worker.state()["open_streams"] == 2
+    worker.register({"name": "curl-beside", "hostname": "laptop"})
+    second = fleet.open_stream(worker)
 
-    first = fleet.submit({"config_name": "e2e-two-streams", "worker_labels": pool})
-    assert first["dispatched"] is True
-    assert agent.wait_for("job_submit").json()["job_id"] == first["job_id"]
-    assert curl.wait_for("job_submit").json()["job_id"] == first["job_id"]
-    expect(orchestrator.admin("POST", f"/api/queue/{first['job_id']}/cancel"), 200)
-    worker.heartbeat({"worker_id": worker.id, "status": "idle", "current_job_id": None})
-    poll(lambda: worker.state()["status"] == "idle", timeout=10, message="the worker to be free again")
-
-    curl.close()
-    poll(lambda: worker.state()["open_streams"] == 1, timeout=10, message="the server to notice the closed curl stream")
+    told = first.wait_for(protocol.SHUTDOWN).json()
+    assert (told["code"], told["agent_name"], told["agent_host"]) == (protocol.AGENT_REPLACED, "curl-beside", "laptop")
+    first.wait_closed()
     state = worker.state()
-    assert (state["status"], state["stream_connected"]) == ("idle", True)
+    assert (state["open_streams"], state["serving_agent"]) == (1, {"name": "curl-beside", "host": "laptop", "instance": None})
 
-    submitted = fleet.submit({"config_name": "e2e-after-curl", "worker_labels": pool})
-    assert submitted["dispatched"] is True, submitted.get("waiting_reason")
-    delivered = agent.wait_for("job_submit", where=lambda e: e.json()["job_id"] == submitted["job_id"])
-    assert delivered.json()["job_id"] == submitted["job_id"]
+    submitted = fleet.submit({"config_name": "e2e-two-streams", "worker_labels": pool})
+    assert submitted["dispatched"] is True
+    delivered = second.wait_for("job_submit").json()
+    assert delivered["job_id"] == submitted["job_id"] and not any(key.startswith("_") for key in delivered)
+    assert [e.type for e in first.received() if e.type == "job_submit"] == []
+    second.assert_no_event(protocol.SHUTDOWN, within=0.5)
     expect(orchestrator.admin("POST", f"/api/queue/{submitted['job_id']}/cancel"), 200)

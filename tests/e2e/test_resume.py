@@ -1,11 +1,16 @@
 """Resume from checkpoint, end to end: a real orchestrator (``simpletuner server``, sweeps on), real agents and
 the example trainer. The first agent is killed -9 after its second checkpoint; the job completes on a second
 agent that starts from the last checkpoint the first attempt completed, and its final artifact downloads
-with the SHA-256 the orchestrator recorded."""
+with the SHA-256 the orchestrator recorded. Then a trainer that marks its checkpoints as SimpleTuner's does
+and uploads nothing (``guard_trainer.py``): the agent uploads them as they are finished, a killed node's
+job resumes from the newest, and a job whose newest checkpoint is its final step is not trained again."""
 
 import hashlib
 import json
 import re
+import shlex
+import sys
+from pathlib import Path
 
 import pytest
 import requests
@@ -14,8 +19,10 @@ from django.core import signing
 from artifacts import tokens
 from worker_agent import protocol
 
-from .agent_harness import AgentRunner, job_in, trainer_processes, write_import_blocker
-from .harness import Fleet, Orchestrator, poll
+from .agent_harness import job_in, trainer_processes
+from .guard_trainer import weights_after
+from .harness import poll
+from .interop import BACKENDS, completed_steps, job_dir_of, kill_node, run_agents, serve
 
 pytestmark = pytest.mark.e2e
 
@@ -28,21 +35,14 @@ FAST_SWEEPS = {
 }
 
 
-@pytest.fixture
-def server(tmp_path):
-    orchestrator = Orchestrator(backend="sqlite", data_dir=tmp_path / "orchestrator", via_cli=True, extra_env=FAST_SWEEPS)
-    orchestrator.start()
-    yield orchestrator
-    orchestrator.stop()
+@pytest.fixture(params=BACKENDS)
+def server(request, tmp_path):
+    yield from serve(request, tmp_path, FAST_SWEEPS)
 
 
 @pytest.fixture
 def runner(server, tmp_path):
-    fleet = Fleet(server, "resume")
-    runner = AgentRunner(server, fleet, tmp_path / "agents", blocker_dir=write_import_blocker(tmp_path / "no-django"))
-    yield runner
-    runner.cleanup()
-    fleet.cleanup()
+    yield from run_agents(server, tmp_path, "resume")
 
 
 def published_steps(job_dir):
@@ -91,7 +91,7 @@ def test_a_job_killed_after_its_second_checkpoint_resumes_on_another_agent(serve
     final = artifacts["output/checkpoint.json"]
     assert final["attempt"] == 2
     assert f"output/checkpoint-{resumed_from}/checkpoint.json" in artifacts
-    response = server.admin("GET", final["download_url"])
+    response = server.admin("GET", final["download_url"].removeprefix(server.base_url))  # an absolute URL
     assert response.status_code == 200
     assert hashlib.sha256(response.content).hexdigest() == final["sha256"] == response.headers["X-Checksum-SHA256"]
     assert (json.loads(response.content)["step"], json.loads(response.content)["complete"]) == (60, True)
@@ -102,6 +102,67 @@ def test_a_job_killed_after_its_second_checkpoint_resumes_on_another_agent(serve
     forged = requests.put(url, data=b"late", headers={protocol.UPLOAD_TOKEN_HEADER: "stu_" + first_lease + ":forged"}, timeout=10)
     assert (stale.status_code, stale.json()["code"]) == (409, protocol.STALE_ATTEMPT)
     assert (forged.status_code, forged.json()["code"]) == (401, protocol.NOT_AUTHENTICATED)
+
+
+# --- a trainer that marks its checkpoints as SimpleTuner's does, and uploads nothing ----------------------
+
+GUARD_TRAINER = shlex.join([sys.executable, str(Path(__file__).with_name("guard_trainer.py"))])
+GUARDED_JOB = {"max_train_steps": 8, "checkpoint_every": 2, "step_delay": 0.05, "seed": 3}
+
+
+def test_marked_checkpoints_leave_the_node_and_a_killed_job_resumes_from_the_newest_with_the_same_weights(server, runner):
+    """The agent uploads each checkpoint the trainer marks complete while it runs; the node killed after
+    checkpoint-4 (the trainer pausing there), the job resumes from it on another agent and ends with the
+    weights of an uninterrupted run."""
+    pool = {"pool": runner.fleet.tag}
+    first = runner.start(runner.fleet.create_worker(labels=pool), extra_args=("--command", GUARD_TRAINER))
+    runner.wait_ready(first)
+    job_id = runner.submit(labels=pool, config={**GUARDED_JOB, "pause_after": [4, 60]})["job_id"]
+    job_dir = job_dir_of(first, job_id)
+
+    poll(lambda: (server.job(job_id)["attempts"][0]["lease_id"], 4) in completed_steps(server, job_id), timeout=30,
+         message="checkpoint-4 held complete")  # fmt: skip
+    assert {step for _, step in completed_steps(server, job_id)} == {2, 4}
+    kill_node(first, job_dir)
+    second = runner.start(runner.fleet.create_worker(labels=pool), extra_args=("--command", GUARD_TRAINER))
+    job = job_in(server, job_id, "completed", "failed", "cancelled", timeout=60)
+
+    assert job["status"] == "completed", job
+    lost, resumed = job["attempts"]
+    assert (lost["outcome"], resumed["worker_id"], resumed["start_step"]) == ("lost", second.worker.id, 4)
+    assert "resumed from checkpoint-4 at step 4" in (job_dir_of(second, job_id) / "train.log").read_text()
+    artifacts = {a["key"]: a for a in job["artifacts"]}
+    for step in (2, 4, 6, 8):  # marker included; 6 and 8 by the second attempt
+        assert artifacts[f"output/checkpoint-{step}/.guard"]["attempt"] == (1 if step <= 4 else 2)
+    final = artifacts["output/model.safetensors"]
+    assert final["sha256"] == hashlib.sha256(weights_after(8, seed=3)).hexdigest()
+    assert {(lease, step) for lease, step in completed_steps(server, job_id) if lease == resumed["lease_id"]} == {
+        (resumed["lease_id"], 6), (resumed["lease_id"], 8),
+    }  # fmt: skip
+    rows = server.audit(action="checkpoint.completed", target_id=job_id)
+    assert all(row["details"].get("declared") for row in rows)  # by the agent's declaration, never by a heartbeat
+
+
+def test_a_job_whose_newest_checkpoint_is_its_final_step_is_not_trained_again(server, runner):
+    pool = {"pool": runner.fleet.tag}
+    first = runner.start(runner.fleet.create_worker(labels=pool), extra_args=("--command", GUARD_TRAINER))
+    runner.wait_ready(first)
+    job_id = runner.submit(labels=pool, config={**GUARDED_JOB, "pause_after": [8, 60]})["job_id"]
+    job_dir = job_dir_of(first, job_id)
+    poll(lambda: 8 in {step for _, step in completed_steps(server, job_id)}, timeout=30, message="checkpoint-8 held complete")
+    kill_node(first, job_dir)
+
+    second = runner.start(runner.fleet.create_worker(labels=pool), extra_args=("--command", GUARD_TRAINER))
+    job = job_in(server, job_id, "completed", "failed", "cancelled", timeout=60)
+
+    assert job["status"] == "completed", job
+    assert [a["start_step"] for a in job["attempts"]] == [0, 8] and job["attempts"][1]["reached_step"] == 8
+    second.wait_for_line(f"job {job_id}: checkpoint-8 is this run's final step (max_train_steps): not trained again", timeout=0)
+    assert not (job_dir_of(second, job_id) / "train.log").exists()  # no trainer ran
+    artifacts = {a["key"]: a for a in job["artifacts"]}
+    final = artifacts["output/model.safetensors"]
+    assert final["attempt"] == 2 and final["sha256"] == artifacts["output/checkpoint-8/model.safetensors"]["sha256"]
+    assert final["sha256"] == hashlib.sha256(weights_after(8, seed=3)).hexdigest()
 
 
 # --- the upstream agent's pair, and a large upload with bounded memory --------------------------------

@@ -1,17 +1,21 @@
 """The chaos soak: a real fleet under kill -9 and SIGTERM, then an audit of lost and twice-completed jobs.
 
-``python -m tests.soak.soak --seed N --jobs J --agents A --duration S [--short]`` (``make soak``,
-``make soak-short``) starts a scratch PostgreSQL database, a private ``redis-server``, one orchestrator
-(``simpletuner server``), a Celery worker and Celery beat (the sweeps), and A agents (``python -m
-worker_agent``, most persistent, some ephemeral) whose trainer (``tests/soak/trainer.py``) appends one
-line per completed run to an append-only ledger. It submits J jobs through the operator API, then for S
-seconds follows a chaos plan drawn from ``random.Random(seed)``: kill -9 of an agent (restarted 1-10 s
-later), SIGTERM of an agent (restarted once it has exited), kill -9 of the orchestrator (restarted 1-3 s
-later). Then it stops the chaos, lets the fleet drain (with a deadline) and audits the database and the
-ledger (``tests.soak.audit``). Exit status: 0 when nothing was lost, nothing completed twice and nothing
+``python -m tests.soak.soak --seed N --jobs J --agents A --packed-agents P --duration S [--short]``
+(``make soak``, ``make soak-short``) starts a scratch PostgreSQL database, a private ``redis-server``, one
+orchestrator (``simpletuner server``), a Celery worker and Celery beat (the sweeps), and A agents (``python -m
+worker_agent``): P of them packing agents (``--gpus 0,1,2,3``: four declared GPU slots, up to four jobs at
+once), the others running one job at a time (most persistent, some ephemeral). Their trainer
+(``tests/soak/trainer.py``) appends one line per completed run to an append-only ledger. It submits J jobs
+through the operator API (with packing agents, each needing 1 or 2 GPUs or the whole worker, drawn from the
+seed), then for S seconds follows a chaos plan drawn from ``random.Random(seed)``: kill -9 of an agent
+(restarted 1-10 s later), SIGTERM of an agent (restarted once it has exited), kill -9 of the orchestrator
+(restarted 1-3 s later). Meanwhile it reads, twice a second, where the database places every job and GPU, and checks each
+read (``tests.soak.audit.placement_findings``); every trainer also records its start and end in a runs file.
+Then it stops the chaos, lets the fleet drain (with a deadline) and audits the database, the ledger and the
+runs (``tests.soak.audit``). Exit status: 0 when nothing was lost, nothing completed twice and nothing
 is inconsistent; 1 otherwise; 2 when the soak itself could not run. Every process it started is stopped
 on the way out, Ctrl-C and SIGTERM included; the scratch database is dropped. The run's directory (every
-process's log, the ledger) is kept when the audit fails, or with ``--keep``.
+process's log, the ledger, the runs file) is kept when the audit fails, or with ``--keep``.
 """
 
 import argparse
@@ -26,9 +30,8 @@ import sys
 import tempfile
 import time
 import traceback
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
 import psutil
@@ -40,7 +43,7 @@ from worker_agent.runner import parent_death_signal
 from ..e2e.agent_harness import AgentRunner, write_import_blocker
 from ..e2e.harness import REPO_ROOT, Fleet, HarnessError, Orchestrator, create_database, drop_database, stop_process
 from ..e2e.redis_harness import RedisServer, redis_server_binary
-from .audit import audit, parse_ledger
+from .audit import audit, packs, parse_ledger, placement_findings, stamp, trainer_runs
 
 # Audit actions (audit/actions.py; the soak reads the database directly, without Django).
 JOB_COMPLETION_RECOVERED = "job.completion_recovered"
@@ -64,7 +67,16 @@ SIGTERM_EXIT_DEADLINE_S = 30.0
 START_DEADLINE_S = 60.0
 TICK_S = 0.2
 PROGRESS_EVERY_S = 10.0
+SNAPSHOT_EVERY_S = 0.5
 EVIDENCE_JOBS = 10
+# A packing agent's GPUs (declared slots: this machine has no NVIDIA GPU), and the GPUs a job needs when the
+# fleet has packing agents: 1 or 2 of them, or None (no gpu_count: the whole worker), drawn with these weights.
+PACKED_GPUS = "0,1,2,3"
+GPU_NEEDS = (1, 2, None)
+GPU_NEED_WEIGHTS = (2, 1, 1)
+# The rows the audit reads (audit.audit's jobs and workers).
+JOB_FIELDS = ("status", "last_error", "worker_id", "gpu_count", "gpu_indices", "holds_gpus")
+WORKER_FIELDS = ("name", "status", "current_job_id", "max_jobs", "gpu_slots", "gpus_free")
 
 
 class SoakError(RuntimeError):
@@ -106,11 +118,6 @@ def chaos_plan(rng, *, duration, slots, orchestrator_kills, mean_gap):
     return sorted(plan, key=lambda action: action.at)
 
 
-def stamp(epoch=None):
-    """Return ``HH:MM:SS.mmm`` (UTC) of ``epoch`` (default: now): the database's timestamps are UTC too."""
-    return datetime.fromtimestamp(time.time() if epoch is None else epoch, timezone.utc).strftime("%H:%M:%S.%f")[:-3]
-
-
 class Log:
     """Prints timestamped lines (UTC time, seconds since the start) and keeps them in the run's log file."""
 
@@ -119,7 +126,7 @@ class Log:
         self.file = None
 
     def say(self, message):
-        line = f"{stamp()} +{time.monotonic() - self.started:7.2f}s  {message}"
+        line = f"{stamp(time.time())} +{time.monotonic() - self.started:7.2f}s  {message}"
         print(line, flush=True)
         if self.file is not None:
             self.file.write(line + "\n")
@@ -129,9 +136,10 @@ class Log:
 class AgentSlot:
     """One worker and the successive agent processes that serve it (each with its own log, one work dir)."""
 
-    def __init__(self, worker, persistent, work_dir):
+    def __init__(self, worker, persistent, work_dir, packed=False):
         self.worker = worker
         self.persistent = persistent
+        self.packed = packed  # a packing agent (--gpus PACKED_GPUS): several jobs at once
         self.work_dir = work_dir
         self.agent = None
         self.incarnation = 0
@@ -141,7 +149,8 @@ class AgentSlot:
 
     @property
     def name(self):
-        return f"{self.worker.name} ({'persistent' if self.persistent else 'ephemeral'})"
+        kind = "packing" if self.packed else "persistent" if self.persistent else "ephemeral"
+        return f"{self.worker.name} ({kind})"
 
 
 class Soak:
@@ -153,6 +162,7 @@ class Soak:
         self.rng = random.Random(args.seed)
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"simpletuner-soak-{args.seed}-"))
         self.ledger = self.run_dir / "ledger.jsonl"
+        self.runs = self.run_dir / "runs.jsonl"  # every trainer's start and end (trainer.py)
         self.postgres_url = args.postgres_url
         self.redis = None
         self.database_url = None
@@ -162,7 +172,17 @@ class Soak:
         self.fleet = None
         self.slots = []
         self.job_ids = []
+        self.gpu_needs = Counter()  # jobs by the GPUs they were submitted with (None: the whole worker)
         self.db = None
+        self.snapshots = 0  # consistent reads of the placement checked while the soak ran
+        self.snapshot_seen = {}  # (subject, why) -> [snapshots it was seen in, first seen (epoch), the rows then]
+        self.most_held = {}  # packing worker name -> the most jobs it held at once in a snapshot
+        self.shared_snapshots = 0  # snapshots where some packing worker held two jobs or more
+        self.placed_trainers = 0  # completed trainers given GPUs (their CUDA_VISIBLE_DEVICES checked)
+        self.trainer_runs = 0  # trainer runs with a start and an end line (checked for overlaps)
+        self.open_runs = []  # trainer runs with no end line (killed by SIGKILL): not checked
+        self.all_runs = []
+        self.most_running = {}  # worker name -> the most of its trainers that ran at once (the runs file)
         self.kills = Counter()
         self.events = Counter()  # respawns and other things worth a line in the summary
         self.chaos_log = []  # (epoch, text)
@@ -204,12 +224,12 @@ class Soak:
         self.fleet = fleet = Fleet(self.orch, "soak")
         blocker = write_import_blocker(self.run_dir / "blocker")
         self.runner = AgentRunner(self.orch, fleet, self.run_dir / "agents", blocker_dir=blocker)
-        ephemeral = args.ephemeral if args.ephemeral is not None else (args.agents // 4 if args.agents >= 2 else 0)
-        for index in range(args.agents):
-            persistent = index < args.agents - ephemeral
+        ephemeral = args.ephemeral
+        for index in range(args.agents):  # the packing agents first (persistent), the ephemeral ones last
+            packed, persistent = index < args.packed_agents, index < args.agents - ephemeral
             kind = "persistent" if persistent else "ephemeral"
             worker = fleet.create_worker(labels={"pool": fleet.tag}, worker_type=kind)
-            slot = AgentSlot(worker, persistent, self.run_dir / "agents" / worker.name / "jobs")
+            slot = AgentSlot(worker, persistent, self.run_dir / "agents" / worker.name / "jobs", packed=packed)
             self.slots.append(slot)
             self._spawn_agent(slot)
         for slot in self.slots:
@@ -217,7 +237,10 @@ class Soak:
                 self.runner.wait_ready(slot.agent)
             except AssertionError as exc:
                 raise SoakError(f"agent {slot.name} did not connect: {exc}") from None
-        self.log.say(f"{len(self.slots)} agents connected ({ephemeral} ephemeral); trainer {TRAINER_COMMAND}")
+        self.log.say(
+            f"{len(self.slots)} agents connected ({args.packed_agents} packing with --gpus {PACKED_GPUS}, "
+            f"{ephemeral} ephemeral); trainer {TRAINER_COMMAND}"
+        )
 
     def _start_celery(self):
         env = self.orch.env()
@@ -261,10 +284,13 @@ class Soak:
         ]  # fmt: skip
         if slot.persistent:
             args.append("--persistent")
+        if slot.packed:
+            args += ["--gpus", PACKED_GPUS]
         slot.agent = self.runner.spawn(
             args,
             label=f"{slot.worker.name}/{slot.incarnation}",
-            env=self.runner.env(SIMPLETUNER_WORKER_TOKEN=slot.worker.token),
+            # A trainer sees CUDA_VISIBLE_DEVICES only from its placement (the audit compares it with its attempt's).
+            env=self.runner.env(SIMPLETUNER_WORKER_TOKEN=slot.worker.token, CUDA_VISIBLE_DEVICES=None),
             work_dir=slot.work_dir,
             worker=slot.worker,
         )
@@ -275,14 +301,24 @@ class Soak:
         config = {
             "soak_seed": self.args.seed,
             "ledger": str(self.ledger),
+            "runs": str(self.runs),
             "min_seconds": self.args.trainer_seconds[0],
             "max_seconds": self.args.trainer_seconds[1],
         }
+        # Its own stream of the seed: the chaos plan of a seed is the same with or without packing agents.
+        needs = random.Random(f"{self.args.seed}:gpu_count")
         for _ in range(self.args.jobs):
             labels = {"pool": self.fleet.tag}  # every soak worker has it
-            answer = self.fleet.submit({"config_name": CONFIG_NAME, "config": config, "worker_labels": labels})
+            body = {"config_name": CONFIG_NAME, "config": config, "worker_labels": labels}
+            # Without packing agents, no gpu_count: the one-job workers here have no GPU (gpu_count 0).
+            need = needs.choices(GPU_NEEDS, weights=GPU_NEED_WEIGHTS)[0] if self.args.packed_agents else None
+            if need is not None:
+                body["gpu_count"] = need
+            answer = self.fleet.submit(body)
             self.job_ids.append(answer["job_id"])
-        self.log.say(f"submitted {len(self.job_ids)} jobs through POST /api/queue/submit")
+            self.gpu_needs[need] += 1
+        needs_text = ", ".join(f"{n} x {gpu_need_label(need)}" for need, n in sorted(self.gpu_needs.items(), key=_need_order))
+        self.log.say(f"submitted {len(self.job_ids)} jobs through POST /api/queue/submit ({needs_text})")
 
     # --- chaos --------------------------------------------------------------------------------------
 
@@ -365,6 +401,7 @@ class Soak:
         self.log.say(f"chaos for {self.args.duration:g}s: plan of {len(plan)} actions: {kinds}")
         start = time.monotonic()
         next_progress = start + PROGRESS_EVERY_S
+        next_snapshot = start
         pending = list(plan)
         while True:
             now = time.monotonic()
@@ -376,8 +413,51 @@ class Soak:
             if now >= next_progress:
                 self.progress()
                 next_progress = now + PROGRESS_EVERY_S
+            if now >= next_snapshot:
+                self.snapshot()
+                next_snapshot = now + SNAPSHOT_EVERY_S
             time.sleep(TICK_S)
         self.log.say("chaos over: no more kills; restarts still due go ahead")
+
+    # --- placement snapshots ------------------------------------------------------------------------
+
+    def placement(self):
+        """Return ``(jobs, workers)``, the rows ``audit`` takes, read in one REPEATABLE READ transaction."""
+        with self.db.transaction():
+            self.db.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            jobs = self.rows("queue_job", JOB_FIELDS, "WHERE config_name = %s", (CONFIG_NAME,))
+            workers = self.rows("workers_worker", WORKER_FIELDS)
+        return jobs, workers
+
+    def rows(self, table, fields, where="", params=()):
+        """Return ``{id: {field: value}}`` of ``table``'s rows (``where``), each with ``fields``."""
+        cursor = self.db.execute(f"SELECT id, {', '.join(fields)} FROM {table} {where}", params)
+        return {row[0]: dict(zip(fields, row[1:], strict=True)) for row in cursor}
+
+    def snapshot(self):
+        """Check one consistent read of the placement (``placement_findings``); remember what it found, and how
+        many jobs each packing worker held."""
+        jobs, workers = self.placement()
+        self.snapshots += 1
+        held = Counter(job["worker_id"] for job in jobs.values() if job["holds_gpus"])
+        for worker_id, worker in workers.items():
+            if packs(worker):
+                self.most_held[worker["name"]] = max(self.most_held.get(worker["name"], 0), held[worker_id])
+        self.shared_snapshots += any(n >= 2 for n in held.values())
+        for finding in placement_findings(jobs, workers):
+            seen = self.snapshot_seen.get(finding)
+            if seen is None:
+                self.snapshot_seen[finding] = [1, time.time(), describe_placement(finding[0], jobs, workers)]
+                self.log.say(f"PLACEMENT {finding[0]}: {finding[1]}")
+            else:
+                seen[0] += 1
+
+    def snapshot_findings(self):
+        """The findings of the snapshots, as ``audit`` takes them (each once, saying when and how often)."""
+        return [
+            (subject, f"{why} (in {n} of {self.snapshots} reads while the soak ran, first at {stamp(first)})")
+            for (subject, why), (n, first, _rows) in self.snapshot_seen.items()
+        ]
 
     # --- drain --------------------------------------------------------------------------------------
 
@@ -413,6 +493,7 @@ class Soak:
             if now >= next_progress:
                 self.progress()
                 next_progress = now + PROGRESS_EVERY_S
+            self.snapshot()
             time.sleep(0.5)
 
     # --- audit --------------------------------------------------------------------------------------
@@ -435,23 +516,25 @@ class Soak:
         while stray and time.monotonic() < deadline:
             time.sleep(0.2)
             stray = self.trainers_alive()
-        jobs = {
-            job_id: {"status": status, "last_error": last_error, "worker_id": worker_id}
-            for job_id, status, last_error, worker_id in self.db.execute(
-                "SELECT id, status, last_error, worker_id FROM queue_job WHERE config_name = %s", (CONFIG_NAME,)
-            )
-        }
-        workers = {
-            worker_id: {"name": name, "status": status, "current_job_id": current}
-            for worker_id, name, status, current in self.db.execute(
-                "SELECT id, name, status, current_job_id FROM workers_worker"
-            )
-        }
-        completed = {}
-        attempts = self.db.execute("SELECT job_id, lease_id FROM queue_jobattempt WHERE outcome = 'completed'")
-        for job_id, lease in attempts:
+        jobs, workers = self.placement()
+        completed, attempt_gpus = {}, {}
+        attempts = self.db.execute(
+            "SELECT job_id, lease_id, gpu_indices FROM queue_jobattempt WHERE outcome = 'completed'"
+        )
+        for job_id, lease, gpu_indices in attempts:
             completed.setdefault(job_id, []).append(lease)
+            job = jobs.get(job_id)
+            # What its trainer must have seen: the GPUs it was given; nothing for a job given the whole worker.
+            placed = gpu_indices is not None and job is not None and job["gpu_count"]
+            attempt_gpus[lease] = ",".join(str(index) for index in gpu_indices) if placed else None
         records, bad = parse_ledger(self.ledger.read_text() if self.ledger.exists() else "")
+        self.placed_trainers = sum(1 for record in records if record.get("cuda_visible_devices"))
+        run_records, bad_runs = parse_ledger(self.runs.read_text() if self.runs.exists() else "")
+        runs, self.open_runs = trainer_runs(run_records)
+        self.trainer_runs = len(runs)
+        self.all_runs = runs + self.open_runs
+        names = {worker_id: worker["name"] for worker_id, worker in workers.items()}
+        self.most_running = {names.get(worker_id, worker_id): n for worker_id, n in most_at_once(runs).items()}
         result = audit(
             submitted_ids=self.job_ids,
             jobs=jobs,
@@ -460,6 +543,10 @@ class Soak:
             ledger=records,
             bad_ledger_lines=bad,
             stray_trainers=stray,
+            attempt_gpus=attempt_gpus,
+            snapshot_findings=self.snapshot_findings(),
+            runs=runs,
+            bad_runs_lines=bad_runs,
         )
         # Completions that survived their agent: reported from its journal after a restart (to a job still
         # running there, or late, to a job requeued meanwhile), and late completions of lost attempts.
@@ -473,7 +560,12 @@ class Soak:
         return result, records, recovered
 
     def evidence(self, result, records):
-        """Print, for the first flagged jobs, their attempts, audit rows, ledger lines and nearby chaos."""
+        """Print the rows behind each placement finding of the snapshots, then, for the first flagged jobs, their
+        attempts, audit rows, ledger lines and nearby chaos."""
+        for (subject, why), (n, first, rows) in list(self.snapshot_seen.items())[:EVIDENCE_JOBS]:
+            print(f"\n--- evidence: {subject}: {why} (first read at {stamp(first)}, seen {n} times) ---")
+            for row in rows:
+                print(f"  {row}")
         for job_id in result.flagged_jobs()[:EVIDENCE_JOBS]:
             print(f"\n--- evidence: job {job_id} ---")
             attempts = self.db.execute(
@@ -494,6 +586,13 @@ class Soak:
                     print(
                         f"  ledger: trainer of attempt {record.get('attempt')} (pid {record.get('pid')}) "
                         f"completed at {stamp(record['time'])} in {record.get('job_dir')}"
+                    )
+            for run in self.all_runs:
+                if run["job_id"] == job_id:
+                    end = "(no end line)" if run["end"] is None else stamp(run["end"])
+                    print(
+                        f"  trainer run of attempt {run['attempt']} on worker {run['worker_id']} GPUs {run['gpus']}: "
+                        f"{stamp(run['start'])} to {end}"
                     )
             for created, action, actor, details in self.db.execute(
                 "SELECT created_at, action, actor_name, details FROM audit_auditevent WHERE target_id = %s ORDER BY id",
@@ -553,6 +652,42 @@ def _t(value):
     return "-" if value is None else stamp(value.timestamp())
 
 
+def most_at_once(runs):
+    """Return ``{worker_id: the most of its runs (trainer_runs) that were running at one moment}``."""
+    edges = defaultdict(list)
+    for run in runs:
+        edges[run["worker_id"]] += [(run["start"], 1), (run["end"], -1)]
+    most = {}
+    for worker_id, moments in edges.items():
+        running = 0
+        for _, step in sorted(moments):  # an end before a start at the same instant
+            running += step
+            most[worker_id] = max(most.get(worker_id, 0), running)
+    return most
+
+
+def gpu_need_label(need):
+    return "the whole worker" if need is None else f"{need} GPU{'s' if need > 1 else ''}"
+
+
+def _need_order(item):
+    return (item[0] is None, item[0] or 0)
+
+
+def describe_placement(subject, jobs, workers):
+    """Return the rows a placement finding about ``subject`` (a job or worker id) rests on: the worker, and every
+    job placed on it or holding its GPUs, as they were read."""
+    worker_id = subject if subject in workers else (jobs.get(subject) or {}).get("worker_id")
+    worker = workers.get(worker_id)
+    if worker is None:
+        return [f"job {subject}: {jobs.get(subject)}"]
+    rows = [f"worker {worker_id}: {worker}"]
+    for job_id, job in sorted(jobs.items()):
+        if job["worker_id"] == worker_id and (job["holds_gpus"] or job["status"] in ("dispatched", "running")):
+            rows.append(f"job {job_id}: {job}")
+    return rows
+
+
 def print_summary(args, soak, result, recovered, wall):
     status = result.by_status
     rows = [
@@ -565,6 +700,14 @@ def print_summary(args, soak, result, recovered, wall):
         ("dispatched at the end", status.get("dispatched", 0)),
         ("running at the end", status.get("running", 0)),
         ("ledger lines (trainers completed)", result.ledger_lines),
+        *((f"jobs needing {gpu_need_label(need)}", n) for need, n in sorted(soak.gpu_needs.items(), key=_need_order)),
+        ("completed trainers given GPUs", soak.placed_trainers),
+        ("trainer runs checked for overlaps", soak.trainer_runs),
+        ("trainer runs with no end (not checked)", len(soak.open_runs)),
+        ("placement reads checked", soak.snapshots),
+        ("reads with a packing worker holding 2+ jobs", soak.shared_snapshots),
+        *((f"most jobs held at once: {name}", n) for name, n in sorted(soak.most_held.items())),
+        *((f"most trainers run at once: {name}", n) for name, n in sorted(soak.most_running.items())),
         ("LOST", len(result.lost)),
         ("COMPLETED TWICE", len(result.twice)),
         ("INCONSISTENT", len(result.inconsistent)),
@@ -573,7 +716,10 @@ def print_summary(args, soak, result, recovered, wall):
         ("wall time to the audit (s)", f"{wall:.1f}"),
     ]
     width = max(len(label) for label, _ in rows)
-    print(f"\n===== soak audit: seed {args.seed}, {args.jobs} jobs, {args.agents} agents, {args.duration:g}s chaos =====")
+    print(
+        f"\n===== soak audit: seed {args.seed}, {args.jobs} jobs, {args.agents} agents ({args.packed_agents} packing), "
+        f"{args.duration:g}s chaos ====="
+    )
     for label, value in rows:
         print(f"  {label:<{width}}  {value:>8}")
     for reason, n in result.failed_reasons.most_common():
@@ -595,7 +741,14 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, help="seed of every random choice (default: a random one, printed)")
     parser.add_argument("--jobs", type=int, default=60, help="jobs to submit (default 60)")
     parser.add_argument("--agents", type=int, default=4, help="agents (default 4; a quarter of them ephemeral)")
-    parser.add_argument("--ephemeral", type=int, help="how many of the agents are ephemeral (default: a quarter)")
+    parser.add_argument(
+        "--packed-agents",
+        type=int,
+        help=f"how many of the agents are packing agents (--gpus {PACKED_GPUS}, persistent; default: half of them)",
+    )
+    parser.add_argument(
+        "--ephemeral", type=int, help="how many of the other agents are ephemeral (default: a quarter of all, at most the others)"
+    )
     parser.add_argument("--duration", type=float, default=45, help="seconds of chaos (default 45)")
     parser.add_argument("--short", action="store_true", help="the CI profile: 1 orchestrator kill, 35 s drain deadline")
     parser.add_argument("--orchestrator-kills", type=int, help="orchestrator kill -9s (default: 1 short, 3 long)")
@@ -626,6 +779,14 @@ def parse_args(argv=None):
         parser.error(f"--postgres-url must be a PostgreSQL URL, got {args.postgres_url.split(':', 1)[0]}")
     if args.jobs < 1 or args.agents < 1 or args.duration <= 0 or args.trainer_seconds[0] > args.trainer_seconds[1]:
         parser.error("--jobs and --agents must be >= 1, --duration > 0, and MIN <= MAX")
+    args.packed_agents = args.agents // 2 if args.packed_agents is None else args.packed_agents
+    if not 0 <= args.packed_agents <= args.agents:
+        parser.error(f"--packed-agents must be from 0 to --agents ({args.agents})")
+    others = args.agents - args.packed_agents
+    if args.ephemeral is None:
+        args.ephemeral = min(args.agents // 4 if args.agents >= 2 else 0, others)
+    if not 0 <= args.ephemeral <= others:
+        parser.error(f"--ephemeral must be from 0 to the agents that do not pack ({others})")
     return args
 
 
@@ -643,7 +804,7 @@ def main(argv=None):
     soak = Soak(args, log)
     log.file = open(soak.run_dir / "soak.log", "w")  # noqa: SIM115 - closed below
     log.say(
-        f"seed {args.seed}: {args.jobs} jobs, {args.agents} agents, {args.duration:g}s of chaos, "
+        f"seed {args.seed}: {args.jobs} jobs, {args.agents} agents ({args.packed_agents} packing), {args.duration:g}s of chaos, "
         f"{args.orchestrator_kills} orchestrator kill(s), drain deadline {args.drain_timeout:g}s, timers "
         + " ".join(f"{k.removeprefix('SIMPLETUNER_').lower()}={v}s" for k, v in TIMERS.items())
     )

@@ -2,8 +2,8 @@
 
 import random
 
-from .audit import audit, parse_ledger
-from .soak import AGENT_KILL9, AGENT_SIGTERM, ORCHESTRATOR_KILL9, chaos_plan
+from .audit import audit, gpu_overlaps, parse_ledger, placement_findings, trainer_runs
+from .soak import AGENT_KILL9, AGENT_SIGTERM, ORCHESTRATOR_KILL9, chaos_plan, most_at_once
 
 WORKERS_IDLE = {"w_1": {"name": "gpu-1", "status": "idle", "current_job_id": None}}
 
@@ -100,8 +100,8 @@ def test_workers_and_active_jobs_must_point_at_each_other():
 def test_stray_trainers_unknown_jobs_and_torn_lines_are_inconsistent():
     records, bad = parse_ledger('{"job_id": "j_x", "attempt": "a_9"}\n{"job_id": "j_a", "att\n\n')
     assert (records, bad) == ([{"job_id": "j_x", "attempt": "a_9"}], ['{"job_id": "j_a", "att'])
-    result = run({}, ledger=records, bad_ledger_lines=bad, stray_trainers=["pid 7 in /tmp/j_a"])
-    assert [subject for subject, _ in result.inconsistent] == ["j_x", "ledger", "trainer"]
+    result = run({}, ledger=records, bad_ledger_lines=bad, stray_trainers=["pid 7 in /tmp/j_a"], bad_runs_lines=["{"])
+    assert [subject for subject, _ in result.inconsistent] == ["j_x", "ledger", "runs", "trainer"]
     assert result.ledger_lines == 2
 
 
@@ -120,3 +120,178 @@ def test_the_chaos_plan_comes_from_the_seed_alone():
     assert all(1 <= a.delay <= 3 for a in actions if a.kind == ORCHESTRATOR_KILL9)
     for outage in (a for a in actions if a.kind == ORCHESTRATOR_KILL9):  # an agent dies while it is down or just back
         assert any(a.kind == AGENT_KILL9 and outage.at <= a.at <= outage.at + outage.delay + 2 for a in actions)
+
+
+# --- packing workers (max_jobs > 1): the jobs they hold are the jobs with holds_gpus on them ---------------
+
+
+def packer(status="busy", *, gpus_free=0, slots=(0, 1, 2, 3), max_jobs=4):
+    return {
+        "name": "pack-1", "status": status, "current_job_id": None, "max_jobs": max_jobs,
+        "gpu_slots": list(slots), "gpus_free": gpus_free,
+    }  # fmt: skip
+
+
+def placed(status, indices, *, gpu_count=None, holds=True, worker_id="w_p"):
+    gpu_count = len(indices) if gpu_count is None else gpu_count
+    return {
+        "status": status, "last_error": "", "worker_id": worker_id, "gpu_count": gpu_count,
+        "gpu_indices": list(indices), "holds_gpus": holds,
+    }  # fmt: skip
+
+
+def test_a_packing_worker_running_jobs_side_by_side_is_consistent():
+    jobs = {"j_a": placed("running", [0, 1]), "j_b": placed("dispatched", [2]), "j_c": placed("completed", [3], holds=False)}
+    assert placement_findings(jobs, {"w_p": packer(gpus_free=1)}) == []
+    whole = {"j_w": placed("running", [0, 1, 2, 3], gpu_count=0)}  # needs 0: every slot, alone
+    assert placement_findings(whole, {"w_p": packer(gpus_free=0)}) == []
+    full = {f"j_{n}": placed("running", [n]) for n in range(2)}  # max_jobs 2 reached: no room, GPUs or not
+    assert placement_findings(full, {"w_p": packer(gpus_free=0, max_jobs=2)}) == []
+    assert placement_findings({}, {"w_p": packer("idle", gpus_free=4)}) == []
+
+
+def test_an_active_job_on_a_packing_worker_must_be_among_the_jobs_it_holds():
+    jobs = {"j_a": placed("running", [0], holds=False)}
+    assert placement_findings(jobs, {"w_p": packer("idle", gpus_free=4)}) == [
+        ("j_a", "running on packing worker pack-1, which does not hold it among its jobs")
+    ]
+
+
+def test_a_job_a_packing_worker_holds_must_be_active():
+    jobs = {"j_a": placed("completed", [0])}
+    assert placement_findings(jobs, {"w_p": packer(gpus_free=3)}) == [("w_p", "packing worker pack-1 holds job j_a, which is completed")]
+
+
+def test_a_busy_packing_worker_holds_a_job():
+    assert placement_findings({}, {"w_p": packer("busy", gpus_free=4)}) == [("w_p", "packing worker pack-1 busy holding no job")]
+
+
+def test_a_packing_workers_free_gpus_are_its_slots_less_its_jobs_gpus():
+    jobs = {"j_a": placed("running", [0, 1])}
+    assert placement_findings(jobs, {"w_p": packer(gpus_free=3)}) == [
+        ("w_p", "packing worker pack-1 says gpus_free 3; its 4 slots less its 1 jobs' GPUs leave 2")
+    ]
+    full = {f"j_{n}": placed("running", [n]) for n in range(2)}
+    assert placement_findings(full, {"w_p": packer(gpus_free=2, max_jobs=2)}) == [
+        ("w_p", "packing worker pack-1 says gpus_free 2; its 4 slots less its 2 jobs' GPUs leave 0")
+    ]
+
+
+def test_no_gpu_is_held_by_two_jobs_at_once():
+    jobs = {"j_a": placed("running", [0, 1]), "j_b": placed("running", [1])}
+    assert placement_findings(jobs, {"w_p": packer(gpus_free=2)}) == [
+        ("w_p", "GPU 1 of packing worker pack-1 held by 2 jobs at once: j_a, j_b")
+    ]
+
+
+def test_a_held_job_has_as_many_of_the_workers_slots_as_it_needs():
+    jobs = {"j_a": placed("running", [0], gpu_count=2), "j_b": placed("running", [7]), "j_w": placed("dispatched", [2], gpu_count=0)}
+    assert placement_findings(jobs, {"w_p": packer(gpus_free=2)}) == [  # slots 1 and 3 are free
+        ("j_a", "holds GPUs [0] of pack-1 (slots [0, 1, 2, 3]) but needs 2 of them"),
+        ("j_b", "holds GPUs [7] of pack-1 (slots [0, 1, 2, 3]) but needs 1 of them"),
+        ("j_w", "holds GPUs [2] of pack-1 (slots [0, 1, 2, 3]) but needs 4 of them"),
+    ]
+
+
+def test_placement_findings_of_the_final_state_and_of_the_snapshots_are_inconsistent():
+    final = run({"j_a": job("completed", worker_id="w_p")}, ledger=[line("j_a", "a_1")], completed={"j_a": ["a_1"]},
+                workers={"w_p": packer("busy", gpus_free=4)})  # fmt: skip
+    assert final.inconsistent == [("w_p", "packing worker pack-1 busy holding no job")]
+    during = run({}, snapshot_findings=[("w_p", "GPU 1 of packing worker pack-1 held by 2 jobs at once: j_a, j_b")])
+    assert during.inconsistent == [("w_p", "GPU 1 of packing worker pack-1 held by 2 jobs at once: j_a, j_b")]
+
+
+def test_a_trainer_sees_the_gpus_its_attempt_was_given():
+    given = {"a_1": "0,1", "a_2": None}
+    ok = [{**line("j_a", "a_1"), "cuda_visible_devices": "0,1"}, {**line("j_b", "a_2"), "cuda_visible_devices": None}]
+    jobs = {"j_a": job("completed"), "j_b": job("completed")}
+    completed = {"j_a": ["a_1"], "j_b": ["a_2"]}
+    assert run(jobs, ledger=ok, completed=completed, attempt_gpus=given).passed
+    wrong = [{**line("j_a", "a_1"), "cuda_visible_devices": "2"}, {**line("j_b", "a_2"), "cuda_visible_devices": "0"}]
+    assert run(jobs, ledger=wrong, completed=completed, attempt_gpus=given).inconsistent == [
+        ("j_a", "the trainer of attempt a_1 saw CUDA_VISIBLE_DEVICES=2; its attempt was given 0,1"),
+        ("j_b", "the trainer of attempt a_2 saw CUDA_VISIBLE_DEVICES=0; its attempt was given None"),
+    ]
+
+
+def test_an_offline_packing_worker_holds_no_job_and_offers_no_gpu():
+    assert placement_findings({}, {"w_p": packer("offline", gpus_free=0)}) == []
+    jobs = {"j_a": placed("running", [0])}
+    assert placement_findings(jobs, {"w_p": packer("offline", gpus_free=4)}) == [
+        ("w_p", "packing worker pack-1 is offline and holds j_a"),
+        ("w_p", "packing worker pack-1 is offline and says gpus_free 4, not 0"),
+    ]
+
+
+# --- trainers that ran at once on one worker (the runs file) ----------------------------------------------
+
+
+def started(job_id, attempt, pid, at, worker_id="w_p", devices=None):
+    return {
+        "event": "start", "job_id": job_id, "attempt": attempt, "pid": pid, "time": at,
+        "job_dir": f"/soak/agents/x/jobs/{worker_id}/{job_id}", "cuda_visible_devices": devices,
+    }  # fmt: skip
+
+
+def ended(job_id, attempt, pid, at):
+    return {"event": "end", "job_id": job_id, "attempt": attempt, "pid": pid, "time": at, "how": "completed"}
+
+
+def test_trainer_runs_pair_each_start_with_its_end():
+    records = [started("j_a", "a_1", 10, 1.0, devices="0,1"), started("j_b", "a_2", 11, 2.0), ended("j_a", "a_1", 10, 3.0)]
+    runs, open_runs = trainer_runs(records)
+    assert runs == [{"job_id": "j_a", "attempt": "a_1", "worker_id": "w_p", "gpus": [0, 1], "start": 1.0, "end": 3.0}]
+    assert [run["job_id"] for run in open_runs] == ["j_b"]
+
+
+def test_trainers_side_by_side_on_their_own_gpus_or_one_after_another_are_fine():
+    runs, _ = trainer_runs([
+        started("j_a", "a_1", 10, 1.0, devices="0,1"), started("j_b", "a_2", 11, 1.5, devices="2"),
+        ended("j_b", "a_2", 11, 2.0), ended("j_a", "a_1", 10, 3.0),
+        started("j_w", "a_3", 12, 3.0), ended("j_w", "a_3", 12, 4.0),  # the whole worker, once both ended
+        started("j_s", "a_4", 13, 1.0, worker_id="w_1"), ended("j_s", "a_4", 13, 2.0),
+        started("j_t", "a_5", 14, 2.0, worker_id="w_1"), ended("j_t", "a_5", 14, 3.0),
+    ])  # fmt: skip
+    assert gpu_overlaps(runs, {"w_p": packer(), **WORKERS_IDLE}) == []
+
+
+def test_two_trainers_on_one_gpu_of_a_packing_worker_at_once_are_inconsistent():
+    runs, _ = trainer_runs([
+        started("j_a", "a_1", 10, 1.0, devices="0,1"), started("j_b", "a_2", 11, 2.5, devices="1,2"),
+        ended("j_a", "a_1", 10, 3.0), ended("j_b", "a_2", 11, 4.0),
+        started("j_w", "a_3", 12, 3.75), ended("j_w", "a_3", 12, 5.0),  # the whole worker, while j_b ran
+    ])  # fmt: skip
+    found = gpu_overlaps(runs, {"w_p": packer()})
+    assert [(subject, why.split(" used ")[1]) for subject, why in found] == [
+        ("j_b", "GPU 1 for 0.500s beside the trainer of j_a (attempt a_1)"),
+        ("j_w", "GPU 1,2 for 0.250s beside the trainer of j_b (attempt a_2)"),
+    ]
+    assert found[0][1].startswith("its trainer (attempt a_2) started on pack-1 at 00:00:02.500 and used")
+
+
+def test_two_trainers_at_once_on_a_one_job_worker_are_inconsistent():
+    runs, _ = trainer_runs([
+        started("j_a", "a_1", 10, 1.0, worker_id="w_1"), started("j_a", "a_2", 11, 1.5, worker_id="w_1"),
+        ended("j_a", "a_1", 10, 2.0), ended("j_a", "a_2", 11, 3.0),
+    ])  # fmt: skip
+    assert [why.split(" used ")[1] for _, why in gpu_overlaps(runs, WORKERS_IDLE)] == [
+        "the worker (it runs one job at a time) for 0.500s beside the trainer of j_a (attempt a_1)"
+    ]
+    assert run({"j_a": job("failed", last_error="x")}, runs=runs).inconsistent[0][0] == "j_a"
+
+
+def test_a_job_its_agent_would_not_start_where_it_was_placed_is_inconsistent():
+    refused = "not started on this worker: GPU 1 is in use by job j_b"
+    result = run({"j_a": job("failed", last_error=refused), "j_c": job("failed", last_error="worker lost: retries exhausted")})
+    assert result.lost == []
+    assert result.inconsistent == [
+        ("j_a", "failed without running: its agent would not start it where it was placed (GPU 1 is in use by job j_b)")
+    ]
+
+
+def test_the_summary_counts_the_most_trainers_running_at_once_per_worker():
+    runs = [
+        {"worker_id": "w_p", "start": 1.0, "end": 3.0}, {"worker_id": "w_p", "start": 2.0, "end": 4.0},
+        {"worker_id": "w_p", "start": 3.0, "end": 5.0}, {"worker_id": "w_1", "start": 1.0, "end": 2.0},
+    ]  # fmt: skip
+    assert most_at_once(runs) == {"w_p": 2, "w_1": 1}  # one ending as another starts is not at once

@@ -4,9 +4,16 @@ The agent runs it as it runs any trainer (``CONFIG_PATH``, ``SIMPLETUNER_JOB_ID`
 in its environment). The config names the ledger file and the seed: the run lasts
 ``uniform(min_seconds, max_seconds)`` drawn from ``"<seed>:<job id>"`` (the same for every attempt of a
 job), printed as ``SIMPLETUNER_PROGRESS`` steps. Its very last act is one ``write()`` of one JSON line
-``{"job_id", "attempt", "pid", "time", "job_dir"}`` to the ledger, opened ``O_APPEND`` and fsynced, then
+``{"job_id", "attempt", "pid", "time", "job_dir", "cuda_visible_devices"}`` (the last: the GPUs the agent gave
+it, None when unset) to the ledger, opened ``O_APPEND`` and fsynced, then
 exit 0: a ledger line is a trainer that completed, and the soak's audit counts them per job. SIGTERM
 (the agent stopping it, or its agent's death) ends it at once with no line, as it would a real run.
+
+When the config names a ``runs`` file, the trainer also appends a ``{"event": "start", ...}`` line there
+(its job, attempt, pid, time, job dir and ``CUDA_VISIBLE_DEVICES``) before it runs, and an ``{"event": "end"}``
+line (pid, attempt, time, ``how``: ``completed`` or ``signal``) when it ends, so the soak can tell which
+trainers ran at the same time on one worker and GPU (``audit.gpu_overlaps``). SIGTERM then writes the end line
+and ends the process by the same signal, as before; a SIGKILL leaves the run without an end.
 
 The line and the exit 0 are one step: SIGTERM is blocked before the line is written and the process
 ends with ``os._exit(0)`` right after, so a trainer that wrote its line always exits 0 (a signal in
@@ -38,6 +45,26 @@ def append_line(path, record):
         os.close(fd)
 
 
+def record_runs(path, job_id, attempt):
+    """Append this run's start line to the runs file ``path``, and make SIGTERM append its end line before it
+    ends the process (by SIGTERM, as it would without this)."""
+    devices = os.environ.get("CUDA_VISIBLE_DEVICES")
+    job_dir = os.environ.get("SIMPLETUNER_JOB_DIR", "")
+    start = {"event": "start", "job_id": job_id, "attempt": attempt, "pid": os.getpid(), "time": time.time()}
+    append_line(path, {**start, "job_dir": job_dir, "cuda_visible_devices": devices})
+
+    def stopped(signum, frame):
+        append_line(path, run_end(job_id, attempt, "signal"))
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, stopped)
+
+
+def run_end(job_id, attempt, how):
+    return {"event": "end", "job_id": job_id, "attempt": attempt, "pid": os.getpid(), "time": time.time(), "how": how}
+
+
 def main():
     with open(os.environ["CONFIG_PATH"], encoding="utf-8") as handle:
         config = json.load(handle)
@@ -45,6 +72,9 @@ def main():
     rng = random.Random(f"{config['soak_seed']}:{job_id}")
     seconds = rng.uniform(float(config["min_seconds"]), float(config["max_seconds"]))
     attempt = os.environ.get("SIMPLETUNER_ATTEMPT") or None
+    runs = config.get("runs")
+    if runs:
+        record_runs(runs, job_id, attempt)
     print(f"soak trainer: job {job_id} attempt {attempt} runs {seconds:.2f}s", flush=True)
     for step in range(1, STEPS + 1):
         time.sleep(seconds / STEPS)
@@ -58,8 +88,11 @@ def main():
             "pid": os.getpid(),
             "time": time.time(),
             "job_dir": os.environ.get("SIMPLETUNER_JOB_DIR", ""),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         },
     )
+    if runs:
+        append_line(runs, run_end(job_id, attempt, "completed"))
     os._exit(0)  # at once: no interpreter teardown between the line and the exit
 
 

@@ -1,5 +1,6 @@
 """Request and response shapes of the worker and admin-worker APIs."""
 
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from common.fields import (
@@ -20,10 +21,13 @@ from common.serializers import ModelSerializer, Serializer
 from worker_agent import protocol
 
 from ..models import Worker, WorkerType
+from ..selectors import held_jobs
+from ..streams import serving_entry
 
 WORKER_NAME_MAX_CHARS = Worker._meta.get_field("name").max_length
 LOG_LINE_MAX_CHARS = 2000  # as the agent cuts them (worker_agent.runner.MAX_LINE_CHARS)
 ID_MAX_CHARS = 64  # worker, job and attempt ids (the longest column is 40)
+MAX_JOBS_MAX = protocol.MAX_JOBS_MAX  # jobs one worker may run side by side
 
 
 class WorkerSerializer(ModelSerializer):
@@ -31,9 +35,20 @@ class WorkerSerializer(ModelSerializer):
     draining = serializers.SerializerMethodField()
     stream_connected = serializers.SerializerMethodField()
     open_streams = serializers.SerializerMethodField(help_text="How many SSE streams are open for this worker.")
+    serving_agent = serializers.SerializerMethodField(
+        help_text="The agent whose stream serves this worker (the newest agent on its token): its name, host and "
+        "instance (None for an agent that sends none); null without an open stream."
+    )
     url = serializers.SerializerMethodField(help_text="This worker's own address in the API.")
     agent_notes = serializers.SerializerMethodField(
         help_text="Where the agent's own --name or --persistent differs from the worker (the worker's win)."
+    )
+    gpus_free = serializers.SerializerMethodField(
+        help_text="GPUs a new job may take now: a packing worker's free slots (0 at max_jobs jobs); one that does not "
+        "pack, all its GPUs while it is idle with no job, else 0."
+    )
+    running_jobs = serializers.SerializerMethodField(
+        help_text="The jobs on the worker and their GPU indices (null: the whole worker)."
     )
 
     class Meta:
@@ -57,15 +72,38 @@ class WorkerSerializer(ModelSerializer):
             "agent_notes",
             "metrics",
             "current_job_id",
+            "max_jobs",
+            "gpu_slots",
+            "gpu_slots_declared",
+            "gpus_free",
+            "running_jobs",
             "draining",
             "stream_connected",
             "open_streams",
+            "serving_agent",
             "last_heartbeat",
             "connected_at",
             "status_changed_at",
             "created_at",
         ]
         read_only_fields = fields
+
+    def get_gpus_free(self, worker) -> int:
+        if worker.packs:
+            return worker.gpus_free
+        return worker.gpu_count if worker.status == "idle" and worker.current_job_id is None else 0
+
+    def get_running_jobs(self, worker) -> list[dict]:
+        """The worker's jobs: its current job (the whole worker), or a packing worker's jobs on their GPUs, read
+        from ``held_jobs`` where the list prefetched them (``workers.selectors.held_jobs_prefetch``), else through Job.worker's
+        reverse relation (this app does not import job_queue)."""
+        if not worker.packs:
+            return [{"job_id": worker.current_job_id, "gpu_indices": None}] if worker.current_job_id else []
+        if not hasattr(worker, "held_jobs"):
+            if worker.status not in ("busy", "draining"):  # an idle or offline one holds none: no read
+                return []
+            worker.held_jobs = held_jobs(worker)
+        return [{"job_id": job.pk, "gpu_indices": job.gpu_indices} for job in worker.held_jobs]
 
     def get_draining(self, worker) -> bool:
         return worker.drain_requested_at is not None
@@ -81,6 +119,10 @@ class WorkerSerializer(ModelSerializer):
 
     def get_open_streams(self, worker) -> int:
         return max(len(worker.open_streams or ()), int(worker.stream_id is not None))
+
+    def get_serving_agent(self, worker) -> dict | None:
+        entry = serving_entry(worker)
+        return None if entry is None else {key: entry.get(key) for key in ("name", "host", "instance")}
 
 
 class WorkerCreateSerializer(Serializer):
@@ -103,11 +145,44 @@ class WorkerCreatedSerializer(WorkerSerializer):
         return self.context["token"]
 
 
+@extend_schema_field(
+    {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": GPU_COUNT_MAX - 1},
+        "maxItems": GPU_COUNT_MAX,
+        "uniqueItems": True,
+    }
+)
+class GpuSlots(serializers.ListField):
+    """A worker's GPU slots: distinct GPU indices from 0 to GPU_COUNT_MAX - 1 (at most GPU_COUNT_MAX of them)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(child=BoundedInt(min_value=0, max_value=GPU_COUNT_MAX - 1), max_length=GPU_COUNT_MAX, **kwargs)
+
+    def to_internal_value(self, data):
+        value = super().to_internal_value(data)
+        if len(set(value)) != len(value):
+            raise serializers.ValidationError("GPU slots must be distinct GPU indices.")
+        return value
+
+
+class RunningJobSerializer(Serializer):
+    job_id = BoundedText(max_length=ID_MAX_CHARS)
+    attempt = BoundedText(required=False, allow_null=True, allow_blank=True, max_length=ID_MAX_CHARS)
+
+
+class HeartbeatJobSerializer(Serializer):
+    job_id = BoundedText(max_length=ID_MAX_CHARS)
+    attempt = BoundedText(required=False, allow_null=True, allow_blank=True, max_length=ID_MAX_CHARS)
+    progress = TrainerJSON(required=False, allow_null=True)
+    log_tail = TrainerLog(required=False, allow_null=True, max_length=LOG_TAIL_MAX_CHARS)
+
+
 class RegisterSerializer(Serializer):
     """Both the spec's flat capability fields and the upstream agent's ``gpu_info`` are accepted.
 
     ``gpu_info``'s own fields (``count``, ``vram_gb``...) are bounded like the flat ones by
-    ``workers.services.parse_capabilities`` (code ``invalid_capabilities``)."""
+    ``workers.capabilities.parse_capabilities`` (code ``invalid_capabilities``)."""
 
     name = BoundedText(required=False, allow_blank=True, max_length=WORKER_NAME_MAX_CHARS)
     worker_id = BoundedText(required=False, allow_null=True, max_length=ID_MAX_CHARS)
@@ -124,6 +199,17 @@ class RegisterSerializer(Serializer):
     gpus = BoundedJSON(required=False, types=(list,), max_bytes="MAX_GPU_INFO_BYTES")
     driver_version = BoundedText(required=False, allow_null=True, allow_blank=True, max_length=64)
     cuda_version = BoundedText(required=False, allow_null=True, allow_blank=True, max_length=64)
+    # Packing (protocol.RegisterRequest): several jobs at once, each on its own GPUs out of gpu_slots.
+    max_jobs = BoundedInt(
+        required=False, min_value=1, max_value=MAX_JOBS_MAX, help_text="Jobs the agent runs side by side (absent: one)."
+    )
+    gpu_slots = GpuSlots(required=False, help_text="The GPU indices the agent's jobs may use (distinct, from 0).")
+    gpu_slots_declared = StrictBoolean(required=False, help_text="No NVIDIA GPU backs the slots (a CPU node, tests).")
+    running_jobs = serializers.ListField(
+        child=RunningJobSerializer(), required=False, max_length=MAX_JOBS_MAX, help_text="Every job the agent runs."
+    )
+    advertise_address = BoundedText(required=False, allow_blank=True, max_length=255)
+    multi_node = StrictBoolean(required=False, help_text="The agent runs a member of a multi-node job (ours).")
 
 
 class HeartbeatSerializer(Serializer):
@@ -141,6 +227,12 @@ class HeartbeatSerializer(Serializer):
     memory_percent = BoundedFloat(required=False, allow_null=True, min_value=0, max_value=1e9)
     memory_used_gb = BoundedFloat(required=False, allow_null=True, min_value=0, max_value=1e12)
     load_average = BoundedJSON(required=False, allow_null=True, max_bytes="MAX_GPU_INFO_BYTES")
+    jobs = serializers.ListField(
+        child=HeartbeatJobSerializer(),
+        required=False,
+        max_length=MAX_JOBS_MAX,
+        help_text="Every job the agent runs (an agent that registered with max_jobs); answered with every job held here.",
+    )
 
 
 # Every utilisation field of the protocol is declared (with its type) above.
@@ -202,6 +294,11 @@ class RegisterResponseSerializer(Serializer):
     )
     resume_job = ResumeJobSerializer(required=False, help_text="The reported job is still this worker's: go on.")
     abandon_job = serializers.CharField(required=False, help_text="The reported job is no longer this worker's.")
+    max_jobs = serializers.IntegerField(required=False, help_text="To an agent that sent max_jobs: the jobs it is sent at once.")
+    resume_jobs = ResumeJobSerializer(many=True, required=False, help_text="Those of running_jobs still its own: go on.")
+    abandon_jobs = serializers.ListField(
+        child=serializers.CharField(), required=False, help_text="Those of running_jobs no longer its own: stop them."
+    )
 
 
 class HeartbeatResponseSerializer(Serializer):
@@ -210,6 +307,9 @@ class HeartbeatResponseSerializer(Serializer):
     current_job_id = serializers.CharField(allow_null=True)
     current_attempt = serializers.CharField(
         allow_null=True, help_text="The attempt of the job the heartbeat named, as the server holds it."
+    )
+    jobs = RunningJobSerializer(
+        many=True, required=False, help_text="To a heartbeat with jobs: every job held on the worker, with its attempt."
     )
 
 

@@ -8,6 +8,7 @@ from rest_framework.views import APIView
 from audit.services import Actor
 from common.http import error_responses, status_filter, status_filter_parameter
 from common.errors import NotFound
+from common.serializers import refuse_fields
 
 from .. import permissions, services
 from ..models import Worker, WorkerStatus
@@ -17,6 +18,7 @@ from .serializers import (
     WorkerListSerializer,
     WorkerSerializer,
 )
+from ..selectors import held_jobs_prefetch
 
 STATUS_FILTER = status_filter_parameter(WorkerStatus.values)
 
@@ -50,7 +52,7 @@ class AdminWorkerListView(AdminWorkerAPIView):
         responses={200: WorkerListSerializer, **error_responses(400, 401, 403)},
     )
     def get(self, request):
-        workers = Worker.objects.all()
+        workers = Worker.objects.prefetch_related(held_jobs_prefetch())  # one read for every packing worker's jobs
         statuses = status_filter(request, WorkerStatus.values)
         if statuses:
             workers = workers.filter(status__in=statuses)
@@ -97,8 +99,9 @@ class AdminWorkerDrainView(AdminWorkerAPIView):
         tags=["admin-workers"],
         summary="Drain a worker: it finishes its current job and takes no new one",
         request=None,
-        responses={200: WorkerSerializer, **error_responses(401, 403, 404, 409)},
+        responses={200: WorkerSerializer, **error_responses(400, 401, 403, 404, 409)},
     )
     def post(self, request, worker_id):
+        refuse_fields(request.data)
         worker = services.worker_drain(worker_id=worker_id, actor=self.actor)
         return Response(WorkerSerializer(worker, context={"request": request}).data)

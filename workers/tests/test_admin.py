@@ -218,7 +218,7 @@ def test_adding_a_worker_shows_its_token_once_with_the_agent_command(admin_clien
     token, command = shown_token(response)
     assert token.startswith("wt_") and authenticates(token) == worker.pk
     assert command == (
-        f"SIMPLETUNER_WORKER_TOKEN={token} simpletuner worker --orchestrator-url http://testserver --name gpu-box-1{flags}"
+        f"SIMPLETUNER_WORKER_TOKEN={token} .venv/bin/simpletuner worker --orchestrator-url http://testserver --name gpu-box-1{flags}"
     )
     (row,) = audit_rows(actions.WORKER_CREATED, target_id=worker.pk)
     assert (row.actor_type, row.actor_id, row.actor_name) == ("user", str(admin_user.pk), "admin")
@@ -358,7 +358,7 @@ def test_rotate_shows_a_new_token_once_and_the_old_one_stops_working(admin_clien
     assert "no-store" in response["Cache-Control"].split(", ")
     new, command = shown_token(response)
     assert new != old
-    assert command.startswith(f"SIMPLETUNER_WORKER_TOKEN={new} simpletuner worker ")
+    assert command.startswith(f"SIMPLETUNER_WORKER_TOKEN={new} .venv/bin/simpletuner worker ")
     assert authenticates(old) is None
     assert authenticates(new) == worker.pk
     (row,) = audit_rows(actions.WORKER_TOKEN_ROTATED, target_id=worker.pk)

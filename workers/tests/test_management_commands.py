@@ -60,7 +60,7 @@ def test_create_api_token_for_an_existing_operator_prints_a_working_token_audite
 @pytest.mark.parametrize(
     ("setup", "args", "message"),
     [
-        (None, ["ghost"], "^user 'ghost' does not exist; pass --superuser to create it as an administrator$"),
+        (None, ["ghost"], r"^user 'ghost' does not exist; pass --superuser to create it as an administrator \(or --group GROUP to create it in a shipped group\)$"),
         ("plain", ["plain", "--superuser"], "^user 'plain' exists and is not a superuser; refusing to promote it$"),
     ],
 )
@@ -93,7 +93,7 @@ def test_create_worker_prints_id_token_and_agent_command_line():
     assert token_authenticate(kind=TokenKind.WORKER, plaintext=token).worker_id == worker.pk
     command = lines[-1].strip()
     assert command == (
-        f"SIMPLETUNER_WORKER_TOKEN={token} simpletuner worker "
+        f"SIMPLETUNER_WORKER_TOKEN={token} .venv/bin/simpletuner worker "
         "--orchestrator-url http://127.0.0.1:8001 --name gpu-1 --persistent"
     )
     (row,) = audit_rows(actions.WORKER_CREATED)
@@ -110,7 +110,7 @@ def test_create_ephemeral_worker_agent_line_quotes_and_omits_persistent():
     assert worker.worker_type == WorkerType.EPHEMERAL
     argv = shlex.split(out.splitlines()[-1])
     assert argv[0].startswith("SIMPLETUNER_WORKER_TOKEN=wt_")
-    assert argv[1:] == ["simpletuner", "worker", "--orchestrator-url", "https://orch.example:8443", "--name", "eph 2"]
+    assert argv[1:] == [".venv/bin/simpletuner", "worker", "--orchestrator-url", "https://orch.example:8443", "--name", "eph 2"]
 
 
 @pytest.mark.django_db

@@ -11,8 +11,8 @@ from job_queue.models import JobAttempt, JobStatus
 from job_queue.tests.factories import JobFactory, job_on_worker
 from common.errors import Conflict, InvalidInput, NotFound
 from workers.models import ServerPresence, Worker, WorkerStatus, WorkerType
+from workers.capabilities import parse_capabilities
 from workers.services import (
-    parse_capabilities,
     worker_create,
     worker_delete,
     worker_drain,
@@ -140,20 +140,21 @@ def test_closing_an_old_stream_does_not_forget_the_new_one():
     assert _reload(worker).stream_id is None
 
 
-def test_a_second_stream_never_strands_the_worker_when_it_closes(commit):
+def test_a_second_stream_of_the_same_agent_never_strands_the_worker_when_it_closes(commit):
     worker = WorkerFactory(stream_id=None)
 
     with commit():
-        worker_stream_opened(worker_id=worker.pk, stream_id="agent", replaying=False)
-        worker_stream_opened(worker_id=worker.pk, stream_id="curl", replaying=False)
-    assert _reload(worker).stream_id == "curl"
-    assert [entry["id"] for entry in worker.open_streams] == ["agent", "curl"]
+        worker_stream_opened(worker_id=worker.pk, stream_id="before-cut", replaying=False, instance="i-1")
+        worker_stream_opened(worker_id=worker.pk, stream_id="after-cut", replaying=False, instance="i-1")
+    assert _reload(worker).stream_id == "after-cut"
+    assert [entry["id"] for entry in worker.open_streams] == ["before-cut", "after-cut"]
+    assert [e["type"] for e in sent_events(worker.pk)] == []  # a reconnect: nobody is told anything
 
-    worker_stream_closed(worker_id=worker.pk, stream_id="curl")
-    assert _reload(worker).stream_id == "agent"  # the agent's stream, still open, serves again
-    assert [entry["id"] for entry in worker.open_streams] == ["agent"]
+    worker_stream_closed(worker_id=worker.pk, stream_id="after-cut")
+    assert _reload(worker).stream_id == "before-cut"  # its earlier stream, still open, serves again
+    assert [entry["id"] for entry in worker.open_streams] == ["before-cut"]
 
-    worker_stream_closed(worker_id=worker.pk, stream_id="agent")
+    worker_stream_closed(worker_id=worker.pk, stream_id="before-cut")
     assert _reload(worker).stream_id is None
     assert worker.open_streams == []
 
@@ -164,11 +165,14 @@ def test_streams_of_a_dead_server_process_are_forgotten_when_a_stream_opens(comm
     ServerPresence.objects.create(pk="live:2:bb", hostname="live", pid=2, started_at=now, last_seen=now)
     worker = WorkerFactory(
         stream_id="on-live",
-        open_streams=[{"id": "on-dead", "process": "dead:1:aa"}, {"id": "on-live", "process": "live:2:bb"}],
+        open_streams=[
+            {"id": "on-dead", "process": "dead:1:aa", "instance": "i-1"},
+            {"id": "on-live", "process": "live:2:bb", "instance": "i-1"},
+        ],
     )
 
     with commit():
-        worker_stream_opened(worker_id=worker.pk, stream_id="here", replaying=False)
+        worker_stream_opened(worker_id=worker.pk, stream_id="here", replaying=False, instance="i-1")
 
     assert [entry["id"] for entry in _reload(worker).open_streams] == ["on-live", "here"]
     assert worker.open_streams[-1]["process"] == server_process_id()

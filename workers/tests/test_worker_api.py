@@ -139,9 +139,11 @@ def test_register_with_bad_capabilities_is_400_and_writes_nothing(worker_client,
 def test_register_never_erases_admin_labels(worker_client):
     worker = _fresh(labels={"gpu_type": "a100", "location": "datacenter-a"})
 
-    response = worker_client(worker).post(REGISTER, {**UPSTREAM_BODY, "labels": {}})
+    refused = worker_client(worker).post(REGISTER, {**UPSTREAM_BODY, "labels": {}})
+    registered = worker_client(worker).post(REGISTER, UPSTREAM_BODY)
 
-    assert response.status_code == 200
+    assert refused.status_code == 400 and "labels" in refused.json()["errors"]  # labels are the operators' to set
+    assert registered.status_code == 200
     assert _reload(worker).labels == {"gpu_type": "a100", "location": "datacenter-a"}
 
 
