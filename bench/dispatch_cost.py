@@ -49,17 +49,39 @@ def counted(operation, verbose=False):
     return len(captured), commits.call_count
 
 
-def timed(operation, runs, prepare=None):
-    """Return the milliseconds of ``runs`` calls of ``operation`` (``prepare()`` before each, not timed)."""
+def timed(operation, runs, prepare=None, profile=None):
+    """Return the milliseconds of ``runs`` calls of ``operation`` (``prepare()`` before each, not timed); with
+    ``profile`` (a ``cProfile.Profile``), profile the calls of ``operation`` only (their timings then include the
+    profiler's overhead)."""
     timings = []
     for _ in range(runs):
         if prepare is not None:
             prepare()
         gc.collect()
+        if profile is not None:
+            profile.enable()
         started = time.perf_counter()
         operation()
         timings.append((time.perf_counter() - started) * 1000)
+        if profile is not None:
+            profile.disable()
     return timings
+
+
+def profiled(name, operation, runs, prepare=None, top=25):
+    """Profile ``runs`` calls of ``operation`` and print its ``top`` functions by their own time and by cumulative
+    time, per call of the operation (``--profile``: for comparing two checkouts' hot paths)."""
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    timed(operation, runs, prepare, profile)
+    for order in ("tottime", "cumulative"):
+        out = io.StringIO()
+        pstats.Stats(profile, stream=out).sort_stats(order).print_stats(top)
+        print(f"--- {name}: top {top} by {order} ({runs} calls) ---")
+        print("\n".join(line for line in out.getvalue().splitlines() if line.strip()))
 
 
 def report(name, timings, statements, commits):
@@ -75,6 +97,7 @@ def main():
     parser.add_argument("--workers", type=int, default=200, help="idle stream-connected workers")
     parser.add_argument("--runs", type=int, default=300, help="timed runs of each operation")
     parser.add_argument("--verbose", action="store_true", help="print each operation's statements")
+    parser.add_argument("--profile", action="store_true", help="then profile each operation (cProfile) and print its top functions")
     args = parser.parse_args()
 
     with scratch_database("st_dispatch_") as db:
@@ -97,7 +120,7 @@ def main():
         # SERVER_NAME: a name ALLOWED_HOSTS admits outside production mode (the test client's testserver is not one)
         client = Client(SERVER_NAME="localhost", HTTP_AUTHORIZATION=f"Bearer {api_token_create(user=user, actor=operator)}")
         fleet = Worker.objects.bulk_create(
-            [Worker(name=f"bench-{i}", status=WorkerStatus.IDLE, stream_id=f"s{i}") for i in range(args.workers + 2 * (args.runs + 11))]
+            [Worker(name=f"bench-{i}", status=WorkerStatus.IDLE, stream_id=f"s{i}") for i in range(args.workers + (4 if args.profile else 2) * (args.runs + 11))]
         )
         for worker in fleet:
             worker_events.publish_on_commit(worker.pk, protocol.PING)  # outside a transaction: stored and pushed now
@@ -124,10 +147,13 @@ def main():
         report("submit", timed(submit, args.runs), statements, commits)
         statements, commits = counted(api_submit, args.verbose)
         report("api submit", timed(api_submit, args.runs), statements, commits)
+        if args.profile:
+            profiled("submit", submit, args.runs)
+            profiled("api submit", api_submit, args.runs)
 
         # The completion: one worker, a backlog; each run completes its job, which dispatches the next.
         Worker.objects.filter(status=WorkerStatus.IDLE).update(stream_id=None)  # the fleet leaves: the backlog below queues
-        for _ in range(2 * args.runs + 24):
+        for _ in range((4 if args.profile else 2) * args.runs + 24):
             job_submit(config_name="backlog", actor=operator)
         worker = Worker.objects.create(name="bench-completing", status=WorkerStatus.IDLE, stream_id="s")
         worker_events.publish_on_commit(worker.pk, protocol.PING)
@@ -155,6 +181,8 @@ def main():
             statements, commits = counted(operation, args.verbose)
             assert Job.objects.filter(worker_id=worker.pk, status=JobStatus.DISPATCHED).exists(), "no next job dispatched"
             report(name, timed(operation, args.runs, prepare=running), statements, commits)
+            if args.profile:
+                profiled(name, operation, args.runs, prepare=running)
 
         measure_completion("completion", complete)
         worker_client = Client(SERVER_NAME="localhost", headers={protocol.WORKER_TOKEN_HEADER: token_issue(kind=TokenKind.WORKER, worker=worker)[1]})

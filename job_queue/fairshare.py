@@ -23,6 +23,7 @@ from common.updates import update_rows
 
 from .limits import MATCHED_FIELDS, with_limits
 from .models import FairShare, Job, JobAttempt, JobStatus, targets_for_worker_type
+from .usage import held_seconds
 
 EPOCH = datetime(2020, 1, 1, tzinfo=UTC)
 CHARGE_INTERVAL = 30  # seconds: how far fair-share usage may lag the GPU time held
@@ -205,12 +206,12 @@ def _charge_batch(*, now, batch):
         return 0
     added, until = {}, {}
     for row in attempts:
-        begin = max(row["charged_until"] or row["started_at"], row["started_at"])
         end = min(row["finished_at"] or now, now)
-        until[row["pk"]] = end if row["finished_at"] is None or row["finished_at"] > now else row["finished_at"]
-        if end > begin and row["gpus"]:
+        until[row["pk"]] = end
+        seconds = held_seconds(row["started_at"], row["finished_at"], since=row["charged_until"], until=now, now=now)
+        if seconds and row["gpus"]:
             share = row["job__share"]
-            added[share] = usage_add(added.get(share), (end - begin).total_seconds() * row["gpus"], end, half_life=half_life)
+            added[share] = usage_add(added.get(share), seconds * row["gpus"], end, half_life=half_life)
     if added:
         # Rows first (a row another transaction is adding is waited for, not lost), then each locked in key order.
         FairShare.objects.bulk_create([FairShare(key=key) for key in sorted(added)], ignore_conflicts=True)

@@ -1,6 +1,11 @@
 """GPU usage, computed from the attempts (no second bookkeeping): each attempt is charged its GPUs (``gpus``, set
 at dispatch) times the seconds from its acknowledgement (``started_at``) to its end (``finished_at``: completed,
-failed, declared lost, cancelled), or to now while it runs. And the GPU-hour quotas a submit must be within."""
+failed, declared lost, cancelled), or to now while it runs. And the GPU-hour quotas a submit must be within.
+
+That rule is written here twice, in the two forms its readers need, and nowhere else: ``charged_attempts`` in SQL
+(the usage API, the admin, /metrics and a quota sum over every attempt in one statement) and ``held_seconds`` in
+Python (fair share's charge and a quota's "frees up at", over rows already read). ``test_usage`` holds them
+equal on the same attempts and windows."""
 
 from datetime import timedelta
 
@@ -35,6 +40,17 @@ class EpochSeconds(Func):
 
 def _moment(value):
     return Value(value, output_field=JobAttempt._meta.get_field("started_at"))
+
+
+def held_seconds(started_at, finished_at, *, since=None, until=None, now):
+    """The seconds of ``[since, until)`` (either None: unbounded) during which an attempt acknowledged at
+    ``started_at`` and ended at ``finished_at`` (None: running, up to ``now``) held its GPUs; never negative.
+    The Python form of ``charged_attempts``' ``gpu_seconds`` (divided by the GPUs)."""
+    begin = started_at if since is None else max(started_at, since)
+    end = finished_at or now
+    if until is not None:
+        end = min(end, until)
+    return max((end - begin).total_seconds(), 0.0)
 
 
 def charged_attempts(*, since=None, until=None, now=None):
@@ -146,14 +162,10 @@ def _frees_at(attempts, quota_seconds, *, since, now):
     ``quota_seconds``, if nothing more runs (a running attempt counts up to now); None for a quota of 0."""
     if quota_seconds <= 0:
         return None
-    runs = [
-        ((a.started_at if a.started_at > since else since), min(a.finished_at or now, now), a.gpus)
-        for a in attempts.only("started_at", "finished_at", "gpus")
-    ]
+    runs = [(a.started_at, a.finished_at, a.gpus) for a in attempts.only("started_at", "finished_at", "gpus")]
 
-    def used(at):
-        start = at - QUOTA_WINDOW
-        return sum(max((end - max(begin, start)).total_seconds(), 0.0) * gpus for begin, end, gpus in runs)
+    def used(at):  # nothing more runs: the window ending at ``at`` holds what ran until now
+        return sum(held_seconds(*run[:2], since=at - QUOTA_WINDOW, until=now, now=now) * run[2] for run in runs)
 
     low, high = now, now + QUOTA_WINDOW  # 30 days on, every run so far has left the window
     for _ in range(40):  # to well under a second

@@ -1,5 +1,6 @@
 """Usage accounting: what each attempt is charged, GET /api/usage (who sees what, bad input), the CSV, /metrics."""
 
+import random
 from datetime import datetime, timedelta, timezone as dt_timezone
 
 import pytest
@@ -9,7 +10,7 @@ from audit.services import Actor
 from job_queue.models import AttemptOutcome, Job, JobAttempt, JobStatus
 from job_queue.services import job_cancel, job_submit
 from job_queue.transitions import jobs_acknowledge, jobs_release
-from job_queue.usage import charged_attempts, usage_rows, usage_totals
+from job_queue.usage import charged_attempts, held_seconds, usage_rows, usage_totals
 from observability.usage import usage_csv
 from tenancy.models import Team
 from tenancy.tests.test_teams_api import client_of
@@ -53,6 +54,33 @@ def test_each_attempt_is_charged_its_gpus_from_acknowledgement_to_its_end_and_a_
     assert by_team == [{"key": "nlp", "gpu_seconds": 300.0, "jobs": 1, "attempts": 2}, {"key": None, "gpu_seconds": 240.0, "jobs": 1, "attempts": 1}]
     assert [row["key"] for row in by_config] == ["sdxl", "flux"]
     assert usage_totals(now=now) == {("nlp", "alice"): 300.0, ("", "bob"): 240.0}
+
+
+def test_the_sql_and_the_python_form_of_the_gpu_time_rule_agree_on_every_attempt_and_window():
+    """charged_attempts (SQL: usage, quotas, /metrics) and held_seconds (Python: fair share's charge, a quota's
+    frees-at) are the one rule in two forms: the same GPU-seconds for ended, running and cut attempts, windows
+    before, across, inside and after them, and unbounded ends."""
+    rng = random.Random(29)
+    job = Job.objects.create(config_name="c", submitted_by=UserFactory(username="rule"))
+    now = T0 + timedelta(hours=10)
+    for number in range(1, 41):
+        start = T0 + timedelta(seconds=rng.randrange(0, 9 * 3600), microseconds=rng.randrange(0, 10**6))
+        ended = rng.random() < 0.7
+        seconds = rng.uniform(0.5, 3600) if ended else None
+        if ended and start + timedelta(seconds=seconds) > now:
+            seconds = (now - start).total_seconds() * rng.random()
+        attempt(job, start=start, seconds=seconds, gpus=rng.choice([1, 2, 8]), number=number)
+    windows = [(None, None), (T0 - timedelta(days=1), None), (None, T0 + timedelta(hours=3))]
+    for _ in range(12):
+        a, b = sorted(T0 + timedelta(seconds=rng.uniform(-3600, 11 * 3600)) for _ in range(2))
+        windows.append((a, b))
+
+    for since, until in windows:
+        in_sql = {a.lease_id: a.gpu_seconds for a in charged_attempts(since=since, until=until, now=now)}
+        for run in JobAttempt.objects.filter(job=job):
+            in_python = held_seconds(run.started_at, run.finished_at, since=since, until=until, now=now) * run.gpus
+            assert in_sql.get(run.lease_id, 0.0) == pytest.approx(in_python, abs=1e-3), (run.lease_id, since, until)
+    assert held_seconds(T0, T0 + timedelta(seconds=5), since=T0 + timedelta(seconds=9), now=now) == 0.0  # never negative
 
 
 def test_a_window_charges_only_the_part_of_each_attempt_inside_it():
