@@ -45,8 +45,9 @@ JOB_TRANSITIONS = {
     JobStatus.RUNNING: frozenset({JobStatus.DISPATCHED}),
     # Back to the queue: the attempt was lost (worker gone, dispatch never acknowledged).
     JobStatus.QUEUED: frozenset({JobStatus.DISPATCHED, JobStatus.RUNNING}),
-    # From queued only when a lost attempt's completion arrives late, before a new dispatch (jobs_recover_completion).
-    JobStatus.COMPLETED: frozenset({JobStatus.QUEUED, JobStatus.DISPATCHED, JobStatus.RUNNING}),
+    # From queued only when a lost attempt's completion arrives late, before a new dispatch; from failed only when
+    # that loss had failed the job for good, its retries used up (jobs_recover_completion).
+    JobStatus.COMPLETED: frozenset({JobStatus.QUEUED, JobStatus.DISPATCHED, JobStatus.RUNNING, JobStatus.FAILED}),
     JobStatus.FAILED: frozenset({JobStatus.QUEUED, JobStatus.DISPATCHED, JobStatus.RUNNING}),
     JobStatus.CANCELLED: frozenset({JobStatus.QUEUED, JobStatus.DISPATCHED, JobStatus.RUNNING}),
 }

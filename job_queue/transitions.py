@@ -149,20 +149,26 @@ def recoverable_attempt(*, job, worker, lease_id):
 
     That is: the attempt was taken back without its worker's word (lost, or never acknowledged) and
     the job has not finished since: it waits in the queue, or another attempt runs it, which the late
-    completion supersedes (``jobs_recover_completion``).
+    completion supersedes (``jobs_recover_completion``). Or that loss was the job's end: it failed for
+    good with its retries used up, and no attempt has run it since (its lease is still the lost one's).
     """
-    if job.status in JOB_TERMINAL or not lease_id or lease_id == job.lease_id:
+    if not lease_id:
         return None
-    return JobAttempt.objects.filter(
-        job=job, lease_id=lease_id, worker_id=worker.pk, outcome__in=RECOVERABLE_OUTCOMES
-    ).first()
+    if job.status == JobStatus.FAILED:  # failed by this attempt's loss alone, with no retry left
+        outcomes = (AttemptOutcome.LOST,) if lease_id == job.lease_id else ()
+    elif job.status in JOB_TERMINAL or lease_id == job.lease_id:
+        return None
+    else:
+        outcomes = RECOVERABLE_OUTCOMES
+    return JobAttempt.objects.filter(job=job, lease_id=lease_id, worker_id=worker.pk, outcome__in=outcomes).first()
 
 
 def jobs_recover_completion(*, job, attempt, actor, journal=False, now=None, **fields):
     """Complete locked ``job`` with its lost ``attempt``, whose worker finished it after all.
 
     The requeue is undone: the attempt ends ``completed``, a retry its loss spent is given back, and
-    the job records the attempt and worker that ran it. An attempt that runs the job meanwhile (on
+    the job records the attempt and worker that ran it. A job that the loss failed for good (no retry
+    left, none spent) is completed instead: the failure was the orchestrator's guess, the result is fact. An attempt that runs the job meanwhile (on
     another worker, or this one) is superseded: it ends ``superseded`` and the caller frees its worker
     and tells it to stop, so the trainer does not complete a second time. Return the superseded
     attempt's lease id, or None.
@@ -176,14 +182,19 @@ def jobs_recover_completion(*, job, attempt, actor, journal=False, now=None, **f
             error=f"attempt {attempt.number} completed first (its result arrived late)",
             now=now,
         )
-    refund = attempt.outcome == AttemptOutcome.LOST and job.retry_count > 0
+    undone_failure = job.status == JobStatus.FAILED
+    refund = attempt.outcome == AttemptOutcome.LOST and job.retry_count > 0 and not undone_failure
     JobAttempt.objects.filter(pk=attempt.pk, outcome__in=RECOVERABLE_OUTCOMES).update(
         outcome=AttemptOutcome.COMPLETED, error="", finished_at=now
     )
     progress = fields.pop("progress", None) or dict(job.progress or {})
     progress["fraction"] = 1.0
     reason = f"late completion of attempt {attempt.number} on {attempt.worker_name}: " + (
-        f"it supersedes attempt {job.attempt_count} on {job.worker_name}" if superseded else "its requeue is cancelled"
+        f"it supersedes attempt {job.attempt_count} on {job.worker_name}"
+        if superseded
+        else "the failure its loss caused (retries exhausted) is undone"
+        if undone_failure
+        else "its requeue is cancelled"
     )
     if journal:
         reason += f" ({protocol.FROM_JOURNAL})"
@@ -220,7 +231,8 @@ def jobs_recover_completion(*, job, attempt, actor, journal=False, now=None, **f
                         "retry_refunded": refund,
                         "journal": journal,
                     }
-                    | ({"superseded": superseded} if superseded else {}),
+                    | ({"superseded": superseded} if superseded else {})
+                    | ({"failure_undone": True} if undone_failure else {}),
                 )
             ],
         )

@@ -259,6 +259,60 @@ def test_a_late_failure_of_a_lost_attempt_is_still_refused(worker_client, settin
     assert _reload(job).status == JobStatus.QUEUED
 
 
+def _failed_by_its_loss(worker, settings):
+    """A running job with no retry left whose worker went silent: the stale sweep failed it for good."""
+    settings.SIMPLETUNER = {**settings.SIMPLETUNER, "HEARTBEAT_TIMEOUT": 30}
+    job = job_on_worker(worker, status=JobStatus.RUNNING, max_retries=1, retry_count=1)
+    Worker.objects.filter(pk=worker.pk).update(last_heartbeat=timezone.now() - timedelta(minutes=5))
+    assert sweep_stale_workers()["requeued"] == 0
+    job = _reload(job)
+    assert (job.status, job.retry_count) == (JobStatus.FAILED, 1) and "retries exhausted" in job.last_error
+    return job
+
+
+def test_a_late_completion_of_the_attempt_whose_loss_failed_the_job_completes_it(worker_client, settings):
+    """The soak's finding B: the trainer completed, but its worker went silent before the result arrived and the
+    job, with no retry left, failed for good. The result, arriving late from the agent's journal, is fact:
+    the job completes with that attempt, and no retry is refunded (none was spent)."""
+    worker = WorkerFactory()
+    job = _failed_by_its_loss(worker, settings)
+    attempt = JobAttempt.objects.get(job=job)
+    assert (attempt.outcome, job.lease_id) == (AttemptOutcome.LOST, attempt.lease_id)
+
+    response = worker_client(worker).post(
+        _status_path(job), {"status": "completed", "attempt": attempt.lease_id, "journal": True}, format="json"
+    )
+
+    assert response.status_code == 200, response.content
+    assert response.json()["status"] == "completed"
+    job = _reload(job)
+    assert (job.status, job.retry_count, job.last_error, job.lease_id) == (JobStatus.COMPLETED, 1, "", attempt.lease_id)
+    assert _reload(attempt).outcome == AttemptOutcome.COMPLETED
+    (recovered,) = audit_rows(actions.JOB_COMPLETION_RECOVERED, target_id=job.pk)
+    assert recovered.details["failure_undone"] is True and recovered.details["retry_refunded"] is False
+    assert Job.objects.get(pk=job.pk).attempt_count == 1
+
+
+def test_a_job_failed_by_its_trainer_or_by_another_workers_word_stays_failed(worker_client, settings):
+    """Only a failure the loss alone caused is undone by a completion: not the trainer's own failure report, nor
+    by a completion claimed by a worker that did not run the attempt. A late failure agrees with it."""
+    worker, other = WorkerFactory(name="ran-it"), WorkerFactory(name="other")
+    lost = _failed_by_its_loss(worker, settings)
+    lease = lost.lease_id
+    assert worker_client(other).post(_status_path(lost), {"status": "completed", "attempt": lease}, format="json").status_code == 409
+    assert worker_client(worker).post(_status_path(lost), {"status": "failed", "attempt": lease}, format="json").status_code == 200
+    lost = _reload(lost)
+    assert (lost.status, lost.retry_count) == (JobStatus.FAILED, 1)
+    assert JobAttempt.objects.get(job=lost).outcome == AttemptOutcome.LOST
+
+    ran = job_on_worker(WorkerFactory(name="trainer-failed"), status=JobStatus.RUNNING, max_retries=0)
+    client = worker_client(ran.worker)
+    assert client.post(_status_path(ran), {"status": "failed", "attempt": ran.lease_id}, format="json").status_code == 200
+    assert _reload(ran).status == JobStatus.FAILED
+    assert client.post(_status_path(ran), {"status": "completed", "attempt": ran.lease_id}, format="json").status_code == 409
+    assert _reload(ran).status == JobStatus.FAILED
+
+
 def test_a_completion_read_back_from_the_agents_journal_says_so_in_the_audit_trail(worker_client):
     worker = WorkerFactory()
     job = job_on_worker(worker, status=JobStatus.RUNNING)

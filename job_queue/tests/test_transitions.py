@@ -24,10 +24,15 @@ ALLOWED = [(before, after) for before, after in PAIRS if before in JOB_TRANSITIO
 FORBIDDEN = [(before, after) for before, after in PAIRS if before not in JOB_TRANSITIONS[after]]
 
 
+# The one way out of a finished status: a job its attempt's loss failed for good completes when that attempt's
+# result arrives late (transitions.jobs_recover_completion, guarded by recoverable_attempt).
+LEAVES_TERMINAL = {(JobStatus.FAILED, JobStatus.COMPLETED)}
+
+
 def test_table_names_every_status_and_never_leaves_a_terminal_one():
     assert set(JOB_TRANSITIONS) == set(JobStatus.values)
     for before, after in ALLOWED:
-        assert before not in JOB_TERMINAL, f"{before} -> {after} reopens a finished job"
+        assert before not in JOB_TERMINAL or (before, after) in LEAVES_TERMINAL, f"{before} -> {after} reopens a finished job"
     assert len(ALLOWED) + len(FORBIDDEN) == len(JobStatus.values) ** 2
 
 
