@@ -7,15 +7,19 @@ worker_agent``): P of them packing agents (``--gpus 0,1,2,3``: four declared GPU
 once), the others running one job at a time (most persistent, some ephemeral). Their trainer
 (``tests/soak/trainer.py``) appends one line per completed run to an append-only ledger. It submits J jobs
 through the operator API (with packing agents, each needing 1 or 2 GPUs or the whole worker, drawn from the
-seed), then for S seconds follows a chaos plan drawn from ``random.Random(seed)``: kill -9 of an agent
-(restarted 1-10 s later), SIGTERM of an agent (restarted once it has exited), kill -9 of the orchestrator
-(restarted 1-3 s later). Meanwhile it reads, twice a second, where the database places every job and GPU, and checks each
+seed; about one in eight, ``--gang-share``, drawn from a stream of its own, a two-node job: ``num_nodes`` 2, the
+whole worker on each node, whose trainer runs once per member with its rank), then for S seconds follows a chaos
+plan drawn from ``random.Random(seed)``: kill -9 of an agent (restarted 1-10 s later), SIGTERM of an agent
+(restarted once it has exited), kill -9 of the orchestrator (restarted 1-3 s later). Meanwhile it reads, twice a
+second, where the database places every job, GPU and gang member, and checks each
 read (``tests.soak.audit.placement_findings``); every trainer also records its start and end in a runs file.
 Then it stops the chaos, lets the fleet drain (with a deadline) and audits the database, the ledger and the
-runs (``tests.soak.audit``). Exit status: 0 when nothing was lost, nothing completed twice and nothing
+runs (``tests.soak.audit``; a gang job completes once when one attempt completed every rank, and no member
+(job, attempt, rank) may run twice). Exit status: 0 when nothing was lost, nothing completed twice and nothing
 is inconsistent; 1 otherwise; 2 when the soak itself could not run. Every process it started is stopped
 on the way out, Ctrl-C and SIGTERM included; the scratch database is dropped. The run's directory (every
-process's log, the ledger, the runs file) is kept when the audit fails, or with ``--keep``.
+process's log, the ledger, the runs file, and the database's jobs, attempts, gang members, workers and audit rows
+as CSV) is kept when the audit fails, or with ``--keep``.
 """
 
 import argparse
@@ -43,7 +47,7 @@ from worker_agent.runner import parent_death_signal
 from ..e2e.agent_harness import AgentRunner, write_import_blocker
 from ..e2e.harness import REPO_ROOT, Fleet, HarnessError, Orchestrator, create_database, drop_database, stop_process
 from ..e2e.redis_harness import RedisServer, redis_server_binary
-from .audit import audit, packs, parse_ledger, placement_findings, stamp, trainer_runs
+from .audit import ACTIVE, audit, is_gang, packs, parse_ledger, placement_findings, stamp, trainer_runs
 
 # Audit actions (audit/actions.py; the soak reads the database directly, without Django).
 JOB_COMPLETION_RECOVERED = "job.completion_recovered"
@@ -59,8 +63,10 @@ TIMERS = {
 DEFAULT_POSTGRES_URL = "postgres://postgres@127.0.0.1:5432/postgres"
 CONFIG_NAME = "soak"
 AGENT_KILL9, AGENT_SIGTERM, ORCHESTRATOR_KILL9 = "agent kill -9", "agent SIGTERM", "orchestrator kill -9"
-# Per profile: orchestrator kills, mean seconds between agent actions, drain deadline (seconds).
-PROFILES = {"short": (1, 3.0, 35.0), "long": (3, 5.0, 180.0)}
+# Per profile: orchestrator kills, mean seconds between agent actions, drain deadline (seconds). The short drain
+# allows 50 s: the two-node jobs take two one-job workers at once, only once no one-node job waits for those
+# (no worker is held for a gang), so most run one after another at the end (seed 1: 32 s of drain).
+PROFILES = {"short": (1, 3.0, 50.0), "long": (3, 5.0, 180.0)}
 AGENT_RESTART_S = (1.0, 10.0)
 ORCHESTRATOR_RESTART_S = (1.0, 3.0)
 SIGTERM_EXIT_DEADLINE_S = 30.0
@@ -75,8 +81,15 @@ PACKED_GPUS = "0,1,2,3"
 GPU_NEEDS = (1, 2, None)
 GPU_NEED_WEIGHTS = (2, 1, 1)
 # The rows the audit reads (audit.audit's jobs and workers).
-JOB_FIELDS = ("status", "last_error", "worker_id", "gpu_count", "gpu_indices", "holds_gpus")
-WORKER_FIELDS = ("name", "status", "current_job_id", "max_jobs", "gpu_slots", "gpus_free")
+JOB_FIELDS = ("status", "last_error", "worker_id", "gpu_count", "gpu_indices", "holds_gpus", "num_nodes", "lease_id")
+WORKER_FIELDS = ("name", "status", "current_job_id", "gang_rank", "max_jobs", "gpu_slots", "gpus_free")
+MEMBER_FIELDS = ("job_id", "lease_id", "rank", "worker_id", "gpu_indices", "outcome")  # and holds_gpus, where it exists
+# What a kept run's directory gets of its scratch database (Soak.dump), as CSV.
+DUMPED_TABLES = ("queue_job", "queue_jobattempt", "queue_gangmember", "workers_worker", "audit_auditevent")
+# Multi-node jobs: the share of the jobs submitted with num_nodes GANG_NODES (drawn from the seed, a stream of its
+# own), each needing the whole worker on each node (no gpu_count: the one-job agents here have no GPU).
+GANG_SHARE = 0.125
+GANG_NODES = 2
 
 
 class SoakError(RuntimeError):
@@ -173,6 +186,10 @@ class Soak:
         self.slots = []
         self.job_ids = []
         self.gpu_needs = Counter()  # jobs by the GPUs they were submitted with (None: the whole worker)
+        self.gang_jobs = 0  # jobs submitted with num_nodes GANG_NODES
+        self.member_fields = MEMBER_FIELDS  # with holds_gpus where queue_gangmember has it (start)
+        self.members = []  # the gang members read last (placement)
+        self.gang_snapshots = 0  # snapshots where a multi-node job was dispatched or running
         self.db = None
         self.snapshots = 0  # consistent reads of the placement checked while the soak ran
         self.snapshot_seen = {}  # (subject, why) -> [snapshots it was seen in, first seen (epoch), the rows then]
@@ -221,6 +238,10 @@ class Soak:
         self.log.say(f"orchestrator (simpletuner server, pid {self.orch.process.pid}) at {self.orch.base_url}")
         self._start_celery()
         self.db = psycopg.connect(self.database_url, autocommit=True, connect_timeout=10)
+        holds = self.db.execute(
+            "SELECT 1 FROM information_schema.columns WHERE table_name = 'queue_gangmember' AND column_name = 'holds_gpus'"
+        ).fetchone()
+        self.member_fields = (*MEMBER_FIELDS, "holds_gpus") if holds else MEMBER_FIELDS
         self.fleet = fleet = Fleet(self.orch, "soak")
         blocker = write_import_blocker(self.run_dir / "blocker")
         self.runner = AgentRunner(self.orch, fleet, self.run_dir / "agents", blocker_dir=blocker)
@@ -305,20 +326,26 @@ class Soak:
             "min_seconds": self.args.trainer_seconds[0],
             "max_seconds": self.args.trainer_seconds[1],
         }
-        # Its own stream of the seed: the chaos plan of a seed is the same with or without packing agents.
+        # Their own streams of the seed: the chaos plan of a seed is the same with or without packing agents or gangs.
         needs = random.Random(f"{self.args.seed}:gpu_count")
+        gangs = random.Random(f"{self.args.seed}:num_nodes")
         for _ in range(self.args.jobs):
             labels = {"pool": self.fleet.tag}  # every soak worker has it
             body = {"config_name": CONFIG_NAME, "config": config, "worker_labels": labels}
             # Without packing agents, no gpu_count: the one-job workers here have no GPU (gpu_count 0).
             need = needs.choices(GPU_NEEDS, weights=GPU_NEED_WEIGHTS)[0] if self.args.packed_agents else None
-            if need is not None:
-                body["gpu_count"] = need
+            if gangs.random() < self.args.gang_share:
+                body["num_nodes"] = GANG_NODES  # the whole worker on each node: any agent of ours may be a member
+                self.gang_jobs += 1
+            else:
+                if need is not None:
+                    body["gpu_count"] = need
+                self.gpu_needs[need] += 1
             answer = self.fleet.submit(body)
             self.job_ids.append(answer["job_id"])
-            self.gpu_needs[need] += 1
         needs_text = ", ".join(f"{n} x {gpu_need_label(need)}" for need, n in sorted(self.gpu_needs.items(), key=_need_order))
-        self.log.say(f"submitted {len(self.job_ids)} jobs through POST /api/queue/submit ({needs_text})")
+        gangs_text = f", {self.gang_jobs} x {GANG_NODES} nodes (the whole worker on each)" if self.gang_jobs else ""
+        self.log.say(f"submitted {len(self.job_ids)} jobs through POST /api/queue/submit ({needs_text}{gangs_text})")
 
     # --- chaos --------------------------------------------------------------------------------------
 
@@ -422,11 +449,19 @@ class Soak:
     # --- placement snapshots ------------------------------------------------------------------------
 
     def placement(self):
-        """Return ``(jobs, workers)``, the rows ``audit`` takes, read in one REPEATABLE READ transaction."""
+        """Return ``(jobs, workers)``, the rows ``audit`` takes, read in one REPEATABLE READ transaction with the
+        gang members of those jobs (kept as ``members``)."""
         with self.db.transaction():
             self.db.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
             jobs = self.rows("queue_job", JOB_FIELDS, "WHERE config_name = %s", (CONFIG_NAME,))
             workers = self.rows("workers_worker", WORKER_FIELDS)
+            fields = self.member_fields
+            cursor = self.db.execute(
+                f"SELECT {', '.join(f'm.{name}' for name in fields)} FROM queue_gangmember m "
+                "JOIN queue_job j ON j.id = m.job_id WHERE j.config_name = %s ORDER BY m.id",
+                (CONFIG_NAME,),
+            )
+            self.members = [dict(zip(fields, row, strict=True)) for row in cursor]
         return jobs, workers
 
     def rows(self, table, fields, where="", params=()):
@@ -444,10 +479,11 @@ class Soak:
             if packs(worker):
                 self.most_held[worker["name"]] = max(self.most_held.get(worker["name"], 0), held[worker_id])
         self.shared_snapshots += any(n >= 2 for n in held.values())
-        for finding in placement_findings(jobs, workers):
+        self.gang_snapshots += any(is_gang(job) and job["status"] in ACTIVE for job in jobs.values())
+        for finding in placement_findings(jobs, workers, self.members):
             seen = self.snapshot_seen.get(finding)
             if seen is None:
-                self.snapshot_seen[finding] = [1, time.time(), describe_placement(finding[0], jobs, workers)]
+                self.snapshot_seen[finding] = [1, time.time(), describe_placement(finding[0], jobs, workers, self.members)]
                 self.log.say(f"PLACEMENT {finding[0]}: {finding[1]}")
             else:
                 seen[0] += 1
@@ -546,7 +582,9 @@ class Soak:
             attempt_gpus=attempt_gpus,
             snapshot_findings=self.snapshot_findings(),
             runs=runs,
+            open_runs=self.open_runs,
             bad_runs_lines=bad_runs,
+            members=self.members,
         )
         # Completions that survived their agent: reported from its journal after a restart (to a job still
         # running there, or late, to a job requeued meanwhile), and late completions of lost attempts.
@@ -583,17 +621,22 @@ class Soak:
             for record in records:
                 if record["job_id"] == job_id:
                     times.append(record["time"])
+                    rank = "" if record.get("rank") is None else f" rank {record['rank']}"
                     print(
-                        f"  ledger: trainer of attempt {record.get('attempt')} (pid {record.get('pid')}) "
+                        f"  ledger: trainer of attempt {record.get('attempt')}{rank} (pid {record.get('pid')}) "
                         f"completed at {stamp(record['time'])} in {record.get('job_dir')}"
                     )
             for run in self.all_runs:
                 if run["job_id"] == job_id:
                     end = "(no end line)" if run["end"] is None else stamp(run["end"])
+                    rank = "" if run.get("rank") is None else f" rank {run['rank']}"
                     print(
-                        f"  trainer run of attempt {run['attempt']} on worker {run['worker_id']} GPUs {run['gpus']}: "
+                        f"  trainer run of attempt {run['attempt']}{rank} on worker {run['worker_id']} GPUs {run['gpus']}: "
                         f"{stamp(run['start'])} to {end}"
                     )
+            for member in self.members:
+                if member["job_id"] == job_id:
+                    print(f"  gang member {member}")
             for created, action, actor, details in self.db.execute(
                 "SELECT created_at, action, actor_name, details FROM audit_auditevent WHERE target_id = %s ORDER BY id",
                 (job_id,),
@@ -604,6 +647,19 @@ class Soak:
                 for epoch, text in self.chaos_log:
                     if low <= epoch <= high:
                         print(f"  chaos {stamp(epoch)} {text}")
+
+    def dump(self):
+        """Write the tables the audit read (and the attempts and audit rows) as CSV into the run's directory, so a
+        kept run can be studied after its scratch database is dropped."""
+        folder = self.run_dir / "database"
+        folder.mkdir(exist_ok=True)
+        for table in DUMPED_TABLES:
+            with open(folder / f"{table}.csv", "wb") as out, self.db.cursor().copy(
+                f"COPY (SELECT * FROM {table} ORDER BY 1) TO STDOUT WITH CSV HEADER"
+            ) as copy:
+                for chunk in copy:
+                    out.write(chunk)
+        self.log.say(f"tables {', '.join(DUMPED_TABLES)} written to {folder}")
 
     # --- tear-down ----------------------------------------------------------------------------------
 
@@ -674,17 +730,24 @@ def _need_order(item):
     return (item[0] is None, item[0] or 0)
 
 
-def describe_placement(subject, jobs, workers):
-    """Return the rows a placement finding about ``subject`` (a job or worker id) rests on: the worker, and every
-    job placed on it or holding its GPUs, as they were read."""
+def describe_placement(subject, jobs, workers, members=()):
+    """Return the rows a placement finding about ``subject`` (a job or worker id) rests on: the worker, every job
+    placed on it or holding its GPUs, and the gang members of those jobs and of the worker, as they were read."""
     worker_id = subject if subject in workers else (jobs.get(subject) or {}).get("worker_id")
     worker = workers.get(worker_id)
     if worker is None:
-        return [f"job {subject}: {jobs.get(subject)}"]
-    rows = [f"worker {worker_id}: {worker}"]
-    for job_id, job in sorted(jobs.items()):
-        if job["worker_id"] == worker_id and (job["holds_gpus"] or job["status"] in ("dispatched", "running")):
-            rows.append(f"job {job_id}: {job}")
+        rows, shown = [f"job {subject}: {jobs.get(subject)}"], {subject}
+    else:
+        rows, shown = [f"worker {worker_id}: {worker}"], {subject, worker.get("current_job_id")}
+        for job_id, job in sorted(jobs.items()):
+            if job["worker_id"] == worker_id and (job["holds_gpus"] or job["status"] in ("dispatched", "running")):
+                rows.append(f"job {job_id}: {job}")
+                shown.add(job_id)
+        shown.update(member["job_id"] for member in members if member["worker_id"] == worker_id)
+    for member in members:
+        if member["job_id"] in shown:
+            holder = workers.get(member["worker_id"]) or {}
+            rows.append(f"gang member {member} (its worker: current job {holder.get('current_job_id')}, rank {holder.get('gang_rank')})")
     return rows
 
 
@@ -701,6 +764,8 @@ def print_summary(args, soak, result, recovered, wall):
         ("running at the end", status.get("running", 0)),
         ("ledger lines (trainers completed)", result.ledger_lines),
         *((f"jobs needing {gpu_need_label(need)}", n) for need, n in sorted(soak.gpu_needs.items(), key=_need_order)),
+        *result.gangs.items(),
+        ("reads with a multi-node job placed", soak.gang_snapshots),
         ("completed trainers given GPUs", soak.placed_trainers),
         ("trainer runs checked for overlaps", soak.trainer_runs),
         ("trainer runs with no end (not checked)", len(soak.open_runs)),
@@ -749,11 +814,17 @@ def parse_args(argv=None):
     parser.add_argument(
         "--ephemeral", type=int, help="how many of the other agents are ephemeral (default: a quarter of all, at most the others)"
     )
+    parser.add_argument(
+        "--gang-share",
+        type=float,
+        default=GANG_SHARE,
+        help=f"share of the jobs submitted with num_nodes {GANG_NODES} (default %(default)s; 0: none)",
+    )
     parser.add_argument("--duration", type=float, default=45, help="seconds of chaos (default 45)")
-    parser.add_argument("--short", action="store_true", help="the CI profile: 1 orchestrator kill, 35 s drain deadline")
+    parser.add_argument("--short", action="store_true", help="the CI profile: 1 orchestrator kill, 50 s drain deadline")
     parser.add_argument("--orchestrator-kills", type=int, help="orchestrator kill -9s (default: 1 short, 3 long)")
     parser.add_argument("--mean-gap", type=float, help="mean seconds between agent actions (default: 3 short, 5 long)")
-    parser.add_argument("--drain-timeout", type=float, help="drain deadline in seconds (default: 35 short, 180 long)")
+    parser.add_argument("--drain-timeout", type=float, help="drain deadline in seconds (default: 50 short, 180 long)")
     parser.add_argument(
         "--trainer-seconds", type=float, nargs=2, default=(0.5, 3.0), metavar=("MIN", "MAX"), help="trainer run time (0.5 3)"
     )
@@ -779,6 +850,8 @@ def parse_args(argv=None):
         parser.error(f"--postgres-url must be a PostgreSQL URL, got {args.postgres_url.split(':', 1)[0]}")
     if args.jobs < 1 or args.agents < 1 or args.duration <= 0 or args.trainer_seconds[0] > args.trainer_seconds[1]:
         parser.error("--jobs and --agents must be >= 1, --duration > 0, and MIN <= MAX")
+    if not 0 <= args.gang_share <= 1 or (args.gang_share and args.agents < GANG_NODES):
+        parser.error(f"--gang-share must be from 0 to 1, and multi-node jobs need {GANG_NODES} agents or more")
     args.packed_agents = args.agents // 2 if args.packed_agents is None else args.packed_agents
     if not 0 <= args.packed_agents <= args.agents:
         parser.error(f"--packed-agents must be from 0 to --agents ({args.agents})")
@@ -820,6 +893,8 @@ def main(argv=None):
         if not result.passed:
             soak.evidence(result, records)
         code, keep = (0, args.keep) if result.passed else (1, True)
+        if keep:
+            soak.dump()
     except SoakError as exc:
         print(f"soak: could not run: {exc}", file=sys.stderr, flush=True)
     except KeyboardInterrupt:

@@ -240,7 +240,10 @@ def ended(job_id, attempt, pid, at):
 def test_trainer_runs_pair_each_start_with_its_end():
     records = [started("j_a", "a_1", 10, 1.0, devices="0,1"), started("j_b", "a_2", 11, 2.0), ended("j_a", "a_1", 10, 3.0)]
     runs, open_runs = trainer_runs(records)
-    assert runs == [{"job_id": "j_a", "attempt": "a_1", "worker_id": "w_p", "gpus": [0, 1], "start": 1.0, "end": 3.0}]
+    assert runs == [{
+        "job_id": "j_a", "attempt": "a_1", "worker_id": "w_p", "rank": None, "master_addr": None, "master_port": None,
+        "gpus": [0, 1], "start": 1.0, "end": 3.0,
+    }]  # fmt: skip
     assert [run["job_id"] for run in open_runs] == ["j_b"]
 
 
@@ -295,3 +298,169 @@ def test_the_summary_counts_the_most_trainers_running_at_once_per_worker():
         {"worker_id": "w_p", "start": 3.0, "end": 5.0}, {"worker_id": "w_1", "start": 1.0, "end": 2.0},
     ]  # fmt: skip
     assert most_at_once(runs) == {"w_p": 2, "w_1": 1}  # one ending as another starts is not at once
+
+
+# --- multi-node jobs (gangs): one member per (job, attempt, rank), each on its own worker --------------------------
+
+
+def gang(status, *, lease="a_2", worker_id="w_1", last_error=""):
+    return {"status": status, "last_error": last_error, "worker_id": worker_id, "num_nodes": 2, "lease_id": lease, "gpu_count": 0}
+
+
+def member(lease, rank, worker_id, outcome="completed", job_id="j_g"):
+    return {"job_id": job_id, "lease_id": lease, "rank": rank, "worker_id": worker_id, "gpu_indices": None, "outcome": outcome}
+
+
+def rank_line(attempt, rank, worker_id, job_id="j_g", port=29500):
+    return {
+        **line(job_id, attempt), "rank": rank, "nnodes": 2, "master_addr": "127.0.0.1", "master_port": port,
+        "job_dir": f"/soak/agents/x/jobs/{worker_id}/{job_id}", "cuda_visible_devices": None,
+    }  # fmt: skip
+
+
+# Attempt a_1 was stopped (rank 1's agent killed) after rank 0 completed; a_2 completed both ranks.
+GANG_MEMBERS = [member("a_1", 0, "w_1"), member("a_1", 1, "w_2", "lost"), member("a_2", 0, "w_1"), member("a_2", 1, "w_2")]
+GANG_LEDGER = [rank_line("a_1", 0, "w_1"), rank_line("a_2", 0, "w_1"), rank_line("a_2", 1, "w_2")]
+TWO_IDLE = {
+    "w_1": {"name": "gpu-1", "status": "idle", "current_job_id": None, "gang_rank": 0},
+    "w_2": {"name": "gpu-2", "status": "idle", "current_job_id": None, "gang_rank": 0},
+}
+
+
+def gang_run(status="completed", *, ledger=GANG_LEDGER, members=GANG_MEMBERS, completed=("a_2",), **kwargs):
+    return run(
+        {"j_g": gang(status, last_error="" if status == "completed" else "retries exhausted")},
+        ledger=ledger, completed={"j_g": list(completed)}, workers=TWO_IDLE, members=members, **kwargs,
+    )  # fmt: skip
+
+
+def test_a_gang_completed_once_passes_beside_a_stopped_attempt_with_some_ranks_done():
+    result = gang_run()
+    assert (result.lost, result.twice, result.inconsistent) == ([], [], [])
+    assert result.gangs == {
+        "multi-node jobs": 1, "multi-node jobs completed": 1, "multi-node attempts dispatched": 2,
+        "multi-node attempts completing every rank": 1, "multi-node attempts stopped with some ranks completed": 1,
+        "member trainers started": 0, "member trainers completed (ledger lines)": 3,
+    }  # fmt: skip
+
+
+def test_a_gang_member_that_completed_twice_is_run_twice():
+    result = gang_run(ledger=[*GANG_LEDGER, rank_line("a_2", 1, "w_2")])
+    assert result.twice == [("j_g", "rank 1 of attempt a_2 completed 2 times (ledger)")]
+    assert result.inconsistent == []
+
+
+def test_a_gang_member_started_twice_is_run_twice_even_unfinished():
+    runs, open_runs = trainer_runs([
+        {**started("j_g", "a_2", 10, 1.0, worker_id="w_2"), "rank": 1}, {**started("j_g", "a_2", 11, 2.0, worker_id="w_2"), "rank": 1},
+        ended("j_g", "a_2", 11, 3.0),
+    ])  # fmt: skip
+    result = gang_run(runs=runs, open_runs=open_runs)
+    assert result.twice == [("j_g", "rank 1 of attempt a_2 started 2 times (runs file)")]
+    _, one_node = trainer_runs([started("j_a", "a_1", 10, 1.0, worker_id="w_1"), started("j_a", "a_1", 11, 2.0, worker_id="w_1")])
+    assert run({"j_a": job("failed", last_error="x")}, open_runs=one_node).twice == [("j_a", "attempt a_1 started 2 times (runs file)")]
+
+
+def test_two_attempts_that_each_completed_every_rank_are_completed_twice():
+    result = gang_run(ledger=[*GANG_LEDGER, rank_line("a_1", 1, "w_2")])
+    assert result.twice == [("j_g", "2 attempts completed every rank: a_1, a_2")]
+
+
+def test_a_gang_completed_with_a_missing_rank_is_inconsistent():
+    result = gang_run(ledger=GANG_LEDGER[:2])  # a_2's rank 1 never completed, yet the database completed a_2
+    assert result.inconsistent == [("j_g", "completed with a rank missing: attempt a_2 has ledger lines of ranks [0] of 2")]
+    assert result.twice == []
+
+
+def test_a_gang_not_completed_although_an_attempt_completed_every_rank_is_inconsistent():
+    assert gang_run("failed").inconsistent == [("j_g", "failed although attempt a_2 completed every rank")]
+    stopped = gang_run("failed", ledger=GANG_LEDGER[:1])  # only a stopped attempt's rank 0: completes nothing
+    assert (stopped.lost, stopped.inconsistent) == ([], [])
+
+
+def test_two_ranks_of_one_attempt_on_one_worker_are_inconsistent():
+    members = [*GANG_MEMBERS[:2], member("a_2", 0, "w_1"), member("a_2", 1, "w_1")]
+    ledger = [*GANG_LEDGER[:2], rank_line("a_2", 1, "w_1")]
+    assert gang_run(members=members, ledger=ledger).inconsistent == [("j_g", "ranks 0, 1 of attempt a_2 on one worker, w_1")]
+    ran_beside = gang_run(ledger=[*GANG_LEDGER[:2], rank_line("a_2", 1, "w_1")])  # rank 1 ran where rank 0 is
+    assert ran_beside.inconsistent == [
+        ("j_g", "rank 1 of attempt a_2 completed on worker w_1; that member is w_2"),
+        ("j_g", "ranks 0, 1 of attempt a_2 on one worker, w_1"),
+    ]
+
+
+def test_a_member_line_must_match_its_attempts_members_and_rendezvous():
+    ledger = [*GANG_LEDGER[:2], rank_line("a_2", 1, "w_2", port=29501), rank_line("a_3", 2, "w_2")]
+    assert gang_run(ledger=ledger).inconsistent == [
+        ("j_g", "a trainer of attempt a_3 completed as rank 2 of 2 nodes; the job has 2"),
+        ("j_g", "the ranks of attempt a_2 were told different rendezvous: 127.0.0.1:29500, 127.0.0.1:29501"),
+    ]
+
+
+def busy(name, job_id, rank):
+    return {"name": name, "status": "busy", "current_job_id": job_id, "gang_rank": rank}
+
+
+def test_a_running_gang_is_held_by_each_member_under_its_rank():
+    jobs = {"j_g": gang("running")}
+    members = [member("a_1", 0, "w_1", "stopped"), member("a_1", 1, "w_2", "lost"), member("a_2", 0, "w_1", ""), member("a_2", 1, "w_3", "")]
+    workers = {"w_1": busy("gpu-1", "j_g", 0), "w_2": busy("gpu-2", "j_g", 1), "w_3": busy("gpu-3", "j_g", 1)}
+    assert placement_findings(jobs, workers, members) == [  # w_2 waits for its agent, but rank 1 is w_3's now
+        ("j_g", "workers gpu-2, gpu-3 hold job j_g under one rank, 1"),
+    ]
+    workers["w_2"] = busy("gpu-2", None, 0) | {"status": "idle"}
+    assert placement_findings(jobs, workers, members) == []
+    workers["w_3"] = busy("gpu-3", "j_g", 0)
+    assert placement_findings(jobs, workers, members) == [
+        ("j_g", "rank 1 of attempt a_2 runs on gpu-3, whose current job is j_g (rank 0)"),
+        ("j_g", "workers gpu-1, gpu-3 hold job j_g under one rank, 0"),
+        ("w_3", "worker gpu-3 holds job j_g under rank 0, but it is rank 1 of attempt a_2"),
+    ]
+
+
+def test_a_stopped_members_worker_holds_the_gang_job_only_while_busy_and_not_after_the_drain():
+    jobs = {"j_g": gang("queued", lease="")}
+    members = [member("a_1", 0, "w_1", "stopped"), member("a_1", 1, "w_2", "lost")]
+    workers = {"w_1": busy("gpu-1", "j_g", 0), "w_2": busy("gpu-2", None, 0) | {"status": "offline"}}
+    assert placement_findings(jobs, workers, members) == []  # its agent has not said yet it stopped the trainer
+    assert placement_findings(jobs, workers, members, settled=True) == [
+        ("w_1", "worker gpu-1 holds job j_g after the drain, though its member (rank 0 of attempt a_1) ended stopped")
+    ]
+    workers["w_1"] = busy("gpu-1", None, 0) | {"status": "idle"}
+    workers["w_2"] = busy("gpu-2", "j_g", 1) | {"status": "idle"}
+    workers["w_3"] = busy("gpu-3", "j_g", 0)  # no member of it ever
+    assert placement_findings(jobs, workers, members) == [
+        ("w_2", "worker gpu-2 holds job j_g while idle, though its member (rank 1 of attempt a_1) ended lost"),
+        ("w_3", "worker gpu-3 holds job j_g (queued) under rank 0, but is no member of it under that rank"),
+    ]
+
+
+def test_an_active_gangs_attempt_has_every_rank_with_rank_0_on_the_jobs_worker():
+    jobs = {"j_g": gang("dispatched", worker_id="w_2")}
+    members = [member("a_2", 0, "w_1", "")]
+    workers = {"w_1": busy("gpu-1", "j_g", 0), "w_2": busy("gpu-2", None, 0) | {"status": "idle"}}
+    assert placement_findings(jobs, workers, members) == [
+        ("j_g", "dispatched as a 2-node job whose attempt a_2 has ranks [0]"),
+        ("j_g", "dispatched on w_2, but rank 0 of attempt a_2 is on w_1"),
+    ]
+
+
+def test_a_gang_member_on_a_packing_worker_counts_among_what_it_holds():
+    jobs = {"j_g": {**gang("running", worker_id="w_1"), "gpu_count": 1}, "j_a": placed("running", [0])}
+    members = [member("a_2", 0, "w_1", ""), {**member("a_2", 1, "w_p", ""), "gpu_indices": [1]}]
+    workers = {"w_1": busy("gpu-1", "j_g", 0), "w_p": packer(gpus_free=2)}
+    assert placement_findings(jobs, workers, members) == []
+    members[1]["gpu_indices"] = [0]
+    assert placement_findings(jobs, workers, members) == [
+        ("w_p", "GPU 0 of packing worker pack-1 held by 2 jobs at once: j_a, j_g rank 1"),
+        ("w_p", "packing worker pack-1 says gpus_free 2; its 4 slots less its 2 jobs' GPUs leave 3"),
+    ]
+    # A stopped member whose agent still runs it keeps its GPU, as its row says (holds_gpus), the job requeued.
+    ended = [member("a_1", 0, "w_1", "stopped"), {**member("a_1", 1, "w_p", "stopped"), "gpu_indices": [1], "holds_gpus": True}]
+    queued = {**jobs, "j_g": {**jobs["j_g"], "status": "queued", "lease_id": ""}}
+    workers = {**TWO_IDLE, "w_p": packer(gpus_free=2)}
+    assert placement_findings(queued, workers, ended) == []
+    ended[1]["holds_gpus"] = False
+    assert placement_findings(queued, workers, ended) == [
+        ("w_p", "packing worker pack-1 says gpus_free 2; its 4 slots less its 1 jobs' GPUs leave 3")
+    ]
