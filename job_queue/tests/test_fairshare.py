@@ -228,13 +228,14 @@ def test_the_job_detail_and_list_give_each_queued_job_its_place_in_one_query_for
 
 
 def test_the_admin_job_page_shows_the_place_in_the_queue_with_the_waiting_reason(admin_client):
+    from django.contrib.admin.utils import quote
     from django.urls import reverse
 
     start = timezone.now() - timedelta(minutes=5)
     JobFactory(submitted_at=start)
     job = JobFactory(submitted_at=start + timedelta(minutes=1))
 
-    page = admin_client.get(reverse("admin:queue_job_change", args=[job.pk])).content.decode()
+    page = admin_client.get(reverse("admin:queue_job_change", args=[quote(job.pk)])).content.decode()
 
     assert "Place in the queue" in page and "Why it waits" in page
     assert '<div class="readonly">2</div>' in page, page[page.find("Place in the queue") - 200 : page.find("Place in the queue") + 300]

@@ -382,13 +382,14 @@ def test_a_job_waiting_for_gpus_says_how_many_the_fullest_matching_worker_has_fr
 
 
 def test_the_admin_shows_the_gpus_in_use_per_worker_and_per_job(worker_client, commit, admin_client):
+    from django.contrib.admin.utils import quote
     from django.urls import reverse
 
     worker, client, first, second = _two_running(worker_client, commit)
     workers_page = admin_client.get(reverse("admin:workers_worker_changelist")).content.decode()
     assert "1 free, up to 4 jobs" in workers_page
     assert "GPUs 0</span>" in workers_page and "GPUs 1,2</span>" in workers_page
-    job_page = admin_client.get(reverse("admin:queue_job_change", args=[second.pk])).content.decode()
+    job_page = admin_client.get(reverse("admin:queue_job_change", args=[quote(second.pk)])).content.decode()
     assert "GPUs 1,2</span>" in job_page
 
 
