@@ -94,11 +94,12 @@ def worker_register(*, worker_id, data, actor, instance=None):
         if resumed:
             gangs.acknowledge_by(worker=worker, jobs=resumed, actor=actor, reason="re-registered naming the job", now=now)
         left = [job for job in held if job not in resumed]
+        holding = [job.pk for job in left if job.holds_gpus]  # (read before the release below clears it)
         for job in left:
             # The agent came back without the job we gave it: that attempt is over.
             _release_held_job(job=job, worker=worker, actor=actor, reason="worker re-registered without its job")
-        if any(job.holds_gpus for job in left):  # a cancelled one too, a gang member's: the agent runs it no more
-            jobs_give_back_gpus(job_ids=[job.pk for job in left], worker_ids=[worker.pk])
+        if holding:  # a cancelled one too, a gang member's: the agent runs it no more
+            jobs_give_back_gpus(job_ids=holding, worker_ids=[worker.pk])
         if reported_job_id:
             reported_job_id = str(reported_job_id)
             first = next((job for job in resumed if job.pk == reported_job_id), None)
@@ -509,10 +510,11 @@ def worker_disconnect(*, worker_id, actor, reason="agent disconnected"):
         worker = lock_worker(worker_id)
         held = _locked_held_jobs(worker)
         changes = bool(held) or worker.status not in (WorkerStatus.OFFLINE, WorkerStatus.CONNECTING)
+        holding = [job.pk for job in held if job.holds_gpus]  # (read before the release below clears it)
         for job in held:  # every job it held, its current one or those on its GPUs
             _release_held_job(job=job, worker=worker, actor=actor, reason=reason)
-        if any(job.holds_gpus for job in held):  # a cancelled one too, a gang member's
-            jobs_give_back_gpus(job_ids=[job.pk for job in held], worker_ids=[worker.pk])
+        if holding:  # a cancelled one too, a gang member's
+            jobs_give_back_gpus(job_ids=holding, worker_ids=[worker.pk])
         if worker.status not in (WorkerStatus.OFFLINE, WorkerStatus.CONNECTING):
             workers_transition(
                 workers=[worker], to=WorkerStatus.OFFLINE, actor=actor, reason=reason, current_job=None, gpus_free=0
