@@ -123,6 +123,19 @@ def test_the_worker_api_lists_a_member_with_its_gpus(worker_client, commit, oper
     assert sorted(job["job_id"] for job in listed[a.pk]["running_jobs"]) == sorted([packed[0].pk, gang.pk])
 
 
+def test_a_packing_member_whose_stream_reopens_before_it_acknowledged_gets_its_rank_and_gpus_again(worker_client, commit):
+    from job_queue.agents import worker_stream_opened
+
+    [(a, _), (b, _)], _ = _busy_packers(worker_client, commit)
+    gang = _gang(commit)
+    with commit():
+        worker_stream_opened(worker_id=b.pk, stream_id=f"again-{b.pk}", replaying=False)
+    first, again = _submit(b, gang.pk)
+    again.pop("_to_agent")  # addressed to the agent whose stream just opened
+    first.pop("_to_agent", None)
+    assert again == first and (again["node_rank"], again["gpu_indices"]) == (1, [1])
+
+
 def test_a_two_gpu_gang_waits_on_workers_with_one_free_gpu_and_runs_when_their_jobs_end(worker_client, commit):
     [(a, ca), (b, cb)], packed = _busy_packers(worker_client, commit)
     gang = _gang(commit, gpu_count=2)
