@@ -24,7 +24,7 @@ from .models import GangMember, Job, labels_match
 
 HELD_FIELDS = (
     "pk", "status", "lease_id", "attempt_count", "retry_count", "max_retries", "gpu_count", "gpu_indices", "holds_gpus", "worker_id", "dispatched_at",
-    "num_nodes",
+    "num_nodes", "config_name",
 )
 
 

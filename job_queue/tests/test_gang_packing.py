@@ -123,6 +123,15 @@ def test_the_worker_api_lists_a_member_with_its_gpus(worker_client, commit, oper
     assert sorted(job["job_id"] for job in listed[a.pk]["running_jobs"]) == sorted([packed[0].pk, gang.pk])
 
 
+def test_the_admin_shows_a_members_gpus_on_its_packing_worker(worker_client, commit, admin_client):
+    from django.urls import reverse
+
+    _busy_packers(worker_client, commit)
+    _gang(commit)
+    workers_page = admin_client.get(reverse("admin:workers_worker_changelist")).content.decode()
+    assert workers_page.count("GPUs 0</span>") == 2 and workers_page.count("GPUs 1</span>") == 2
+
+
 def test_a_packing_member_whose_stream_reopens_before_it_acknowledged_gets_its_rank_and_gpus_again(worker_client, commit):
     from job_queue.agents import worker_stream_opened
 
@@ -204,6 +213,22 @@ def test_a_stopped_member_keeps_its_gpus_until_its_agent_runs_the_job_no_more(wo
     gang.refresh_from_db()
     assert (gang.status, gang.attempt_count) == (JobStatus.DISPATCHED, 2)
     assert sorted(GangMember.objects.filter(lease_id=gang.lease_id, holds_gpus=True).values_list("gpu_indices", flat=True)) == [[1], [1]]
+
+
+def test_a_cancelled_gangs_members_hold_their_gpus_until_each_agent_confirms(worker_client, commit, operator_client):
+    [(a, ca), (b, cb)], packed = _busy_packers(worker_client, commit)
+    gang = _gang(commit)
+    with commit():
+        assert operator_client.post(f"/api/queue/{gang.pk}/cancel").status_code == 200
+    assert _cancels(a, gang.pk) and _cancels(b, gang.pk)
+    assert (_free(a), _free(b)) == (0, 0)
+    with commit():
+        assert _report(ca, gang, protocol.CANCELLED).status_code == 200  # a confirms by its report
+    assert (_free(a), _free(b)) == (1, 0)
+    with commit():  # b confirms by a heartbeat that no longer names it
+        _heartbeat(cb, [(packed[1], packed[1].lease_id)])
+    assert (_free(a), _free(b)) == (1, 1)
+    assert not GangMember.objects.filter(holds_gpus=True).exists()
 
 
 def test_a_stopped_members_report_is_refused_and_gives_its_gpus_back(worker_client, commit):
