@@ -39,14 +39,14 @@ from .dispatch import (
     worker_rest_and_offer,
     workers_free_and_offer,
 )
-from .models import JOB_ACTIVE, Job, JobStatus
+from .models import JOB_ACTIVE, GangMember, Job, JobStatus
 from .reports import attempt_spoke, job_record_progress, job_report_refused_audit
 from .selectors import jobs_waiting_for
 from .services import lock_job
 from . import gangs, packing
 from .packing import packing_fields
 from .takeover import remember_replaced, replace_agents
-from .transitions import jobs_acknowledge, jobs_give_back_gpus, jobs_release, operator_interruption
+from .transitions import jobs_give_back_gpus, jobs_release, operator_interruption
 
 logger = logging.getLogger(__name__)
 
@@ -87,18 +87,19 @@ def worker_register(*, worker_id, data, actor, instance=None):
         resumed, abandoned = [], []
         for job_id, attempt in reported if packs else reported[:1]:
             job = next((job for job in held if job.pk == job_id), None)
-            if _names_current_attempt(job, job_id, attempt) and job not in resumed:
+            if _names_current_attempt(job, job_id, attempt) and not gangs.part_over(job) and job not in resumed:
                 resumed.append(job)
             else:
                 abandoned.append(job_id)
         if resumed:
             gangs.acknowledge_by(worker=worker, jobs=resumed, actor=actor, reason="re-registered naming the job", now=now)
         left = [job for job in held if job not in resumed]
+        holding = [job.pk for job in left if job.holds_gpus]  # (read before the release below clears it)
         for job in left:
             # The agent came back without the job we gave it: that attempt is over.
             _release_held_job(job=job, worker=worker, actor=actor, reason="worker re-registered without its job")
-        if any(job.holds_gpus for job in left):  # a cancelled one too: the agent runs it no more
-            jobs_give_back_gpus(job_ids=[job.pk for job in left])
+        if holding:  # a cancelled one too, a gang member's: the agent runs it no more
+            jobs_give_back_gpus(job_ids=holding, worker_ids=[worker.pk])
         if reported_job_id:
             reported_job_id = str(reported_job_id)
             first = next((job for job in resumed if job.pk == reported_job_id), None)
@@ -181,13 +182,17 @@ def _locked_held_jobs(worker):
 
 def _placement(worker, caps, resumed):
     """The fields placing the ``resumed`` jobs on ``worker`` as the agent registering with ``caps`` runs them: one
-    that does not pack holds the first as ``current_job`` (the others were not resumed); a packing one holds each
-    on its GPUs (a job it held whole before holds every slot) and has the rest free."""
+    that does not pack holds the first as ``current_job`` (a gang member under its rank; the others were not
+    resumed); a packing one holds each on its GPUs (a job it held whole before holds every slot; a gang member's are
+    its member's) and has the rest free."""
     if caps["max_jobs"] <= 1:
         extra = [job.pk for job in resumed if job.holds_gpus]
         if extra:
             Job.objects.filter(pk__in=extra).update(holds_gpus=False, gpu_indices=None)
-        return {"current_job": resumed[0] if resumed else None, "gpus_free": 0}
+            GangMember.objects.filter(job_id__in=extra, worker_id=worker.pk).update(holds_gpus=False, gpu_indices=None)
+        first = resumed[0] if resumed else None
+        member = gangs.member_of(first, worker) if gangs.is_gang(first) else None
+        return {"current_job": first, "gang_rank": member.rank if member is not None else 0, "gpus_free": 0}
     slots = _Slots(caps, pk=worker.pk)
     for job in resumed:
         if not job.holds_gpus or not set(job.gpu_indices or ()) <= set(caps["gpu_slots"]):
@@ -197,8 +202,13 @@ def _placement(worker, caps, resumed):
             except ValueError:  # the agent came back with fewer slots than its jobs hold: it holds them all
                 job.gpu_indices = list(caps["gpu_slots"])
             job.holds_gpus = True
-            Job.objects.filter(pk=job.pk).update(gpu_indices=job.gpu_indices, holds_gpus=True)
-    return {"current_job": None, "gpus_free": packing.room(slots, resumed)}
+            if gangs.is_gang(job):  # its member here holds them; the job itself holds none (job_queue.packing)
+                GangMember.objects.filter(job=job, lease_id=job.lease_id, worker_id=worker.pk).update(
+                    gpu_indices=job.gpu_indices, holds_gpus=True
+                )
+            else:
+                Job.objects.filter(pk=job.pk).update(gpu_indices=job.gpu_indices, holds_gpus=True)
+    return {"current_job": None, "gang_rank": 0, "gpus_free": packing.room(slots, resumed)}
 
 
 class _Slots:
@@ -283,8 +293,9 @@ def _record_packed_heartbeat(*, worker, data, now, actor):
     ``current_job_id`` it does not hold (the caller's 409)."""
     named = _heartbeat_jobs(data)
     held = {job.pk: job for job in packing.held_jobs(worker.pk, lock=True)}
+    live = {job_id: job for job_id, job in held.items() if not gangs.part_over(job)}  # a member told to stop is not
     current = str(data.get("current_job_id") or "") or None
-    if current and "jobs" not in data and current not in held:
+    if current and "jobs" not in data and current not in live:
         return None
     metrics = {k: data[k] for k in protocol.HEARTBEAT_METRIC_FIELDS if k in data}
     fields = {"last_heartbeat": now, **({"metrics": metrics} if metrics else {})}
@@ -292,24 +303,25 @@ def _record_packed_heartbeat(*, worker, data, now, actor):
         worker_rest_and_offer(worker=worker, actor=actor, reason="heartbeat after being offline", **fields)
     else:
         Worker.objects.filter(pk=worker.pk).update(**fields)
-    acknowledged = [job for job in held.values() if job.pk in named and _names_current_attempt(job, job.pk, named[job.pk].get("attempt"))]
-    jobs_acknowledge(jobs=acknowledged, actor=actor, reason="heartbeat names the job", now=now)
+    acknowledged = [job for job in live.values() if job.pk in named and _names_current_attempt(job, job.pk, named[job.pk].get("attempt"))]
+    gangs.acknowledge_by(worker=worker, jobs=acknowledged, actor=actor, reason="heartbeat names the job", now=now)
     for job in acknowledged:
         item = named[job.pk]
         attempt_spoke(job=job, data=item, actor=actor, now=now)
         if item.get("progress") is not None or item.get("log_tail") is not None:
             job_record_progress(job_id=job.pk, worker=worker, data=item)
-    stopped = [job.pk for job_id, job in held.items() if job.status == JobStatus.CANCELLED and job_id not in named]
+    # A cancelled job, or a gang member whose part is over, that the agent no longer names has stopped: its GPUs are freed.
+    stopped = [job_id for job_id, job in held.items() if job_id not in named and (job.status == JobStatus.CANCELLED or job_id not in live)]
     if stopped:  # the agent runs them no more
         worker_jobs_over(worker=worker, job_ids=stopped, actor=actor, reason="agent reports no job after cancel")
     answer = {
         "status": worker.status,
         "draining": worker.drain_requested_at is not None,
-        "current_job_id": current if current in held else None,
-        "current_attempt": held[current].lease_id if current in held else None,
+        "current_job_id": current if current in live else None,
+        "current_attempt": live[current].lease_id if current in live else None,
     }
     if "jobs" in data:
-        answer["jobs"] = [{"job_id": job.pk, "attempt": job.lease_id} for job in held.values() if job.status in JOB_ACTIVE]
+        answer["jobs"] = [{"job_id": job.pk, "attempt": job.lease_id} for job in live.values() if job.status in JOB_ACTIVE]
     return answer
 
 
@@ -498,10 +510,11 @@ def worker_disconnect(*, worker_id, actor, reason="agent disconnected"):
         worker = lock_worker(worker_id)
         held = _locked_held_jobs(worker)
         changes = bool(held) or worker.status not in (WorkerStatus.OFFLINE, WorkerStatus.CONNECTING)
+        holding = [job.pk for job in held if job.holds_gpus]  # (read before the release below clears it)
         for job in held:  # every job it held, its current one or those on its GPUs
             _release_held_job(job=job, worker=worker, actor=actor, reason=reason)
-        if any(job.holds_gpus for job in held):  # a cancelled one too
-            jobs_give_back_gpus(job_ids=[job.pk for job in held])
+        if holding:  # a cancelled one too, a gang member's
+            jobs_give_back_gpus(job_ids=holding, worker_ids=[worker.pk])
         if worker.status not in (WorkerStatus.OFFLINE, WorkerStatus.CONNECTING):
             workers_transition(
                 workers=[worker], to=WorkerStatus.OFFLINE, actor=actor, reason=reason, current_job=None, gpus_free=0

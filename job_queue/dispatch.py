@@ -164,12 +164,14 @@ def dispatch_gang(job, *, actor=SYSTEM):
     workers at once, or to none (``gangs.take_workers``); return rank 0's worker, or None.
 
     One attempt (one lease, one attempt number) for the whole gang; each member worker holds the job under its rank
-    and gets its own ``job_submit`` (rank 0's first) with the rendezvous: rank 0's address and a port from
-    ``GANG_PORT_RANGE`` (``gangs.master_port``)."""
+    (a packing worker: on the lowest of its free GPUs, ``packing.allocate``, beside its jobs) and gets its own
+    ``job_submit`` (rank 0's first) with the rendezvous: rank 0's address and a port from ``GANG_PORT_RANGE``
+    (``gangs.master_port``), and on a packing worker the member's ``gpu_indices``."""
     if LimitBook(lock=True).hold(job, gpus=(job.gpu_count or 1) * job.num_nodes) is not None:
         fairshare.share_ensure(job)
         return None
-    workers = gangs.take_workers(job)
+    taken = gangs.take_workers(job)
+    workers, held = taken if taken else ([], {})
     port = gangs.master_port(workers[0], avoid=job.master_port) if workers else None
     if port is None:
         fairshare.share_ensure(job)  # it waits in the queue: its share is probed for a freed worker
@@ -180,15 +182,21 @@ def dispatch_gang(job, *, actor=SYSTEM):
         jobs=[job], to=JobStatus.DISPATCHED, actor=actor, reason=f"dispatched to {names} ({job.num_nodes} nodes)",
         worker=rank0, worker_name=rank0.name, lease_id=lease, attempt_count=number, dispatched_at=now, master_port=port,
     )
+    indices = {}  # packing worker id -> the GPUs its member holds there
     for rank, worker in enumerate(workers):
+        if worker.packs:  # its GPUs and a job slot, beside its jobs (held: read under its lock by take_workers)
+            indices[worker.pk] = packing.allocate(worker, job, held[worker.pk])
+            placed = {"gpus_free": packing.room(worker, [*held[worker.pk], _Holding(indices[worker.pk])])}
+        else:
+            placed = {"current_job": job, "gang_rank": rank}
         workers_transition(
             workers=[worker], to=WorkerStatus.BUSY, actor=actor, reason=f"dispatched job {job.pk} (rank {rank})", now=now,
-            current_job=job, gang_rank=rank,
+            **placed,
         )
     attempt = attempt_open(job=job, worker=rank0, lease_id=lease, number=number, now=now)
     attempt.gpus = sum(job.gpu_count or worker.gpu_count for worker in workers)  # every member's, charged together
     attempt.save(update_fields=["gpus"])
-    gangs.members_create(job=job, workers=workers, lease_id=lease)
+    gangs.members_create(job=job, workers=workers, lease_id=lease, gpu_indices=indices)
     address = gangs.master_address(rank0)
     audit_record(
         actor=actor,
@@ -198,6 +206,7 @@ def dispatch_gang(job, *, actor=SYSTEM):
         details={
             "worker": rank0.pk, "worker_name": rank0.name, "attempt": number, "lease": lease,
             "members": [worker.pk for worker in workers], "master_addr": address, "master_port": port,
+            **({"gpu_indices": {str(pk): value for pk, value in indices.items()}} if indices else {}),
         },
     )
     resume = job_resume_checkpoint(job)  # every member resumes from it
@@ -205,14 +214,19 @@ def dispatch_gang(job, *, actor=SYSTEM):
         artifact_services.attempt_steps_record(lease_id=lease, job_id=job.pk, start_step=resume["step"])
     payload = job_submit_payload(job, resume)
     for rank, worker in enumerate(workers):
-        worker_events.publish_on_commit(
-            worker.pk, protocol.JOB_SUBMIT, **payload, **gangs.gang_fields(job, rank=rank, master_addr=address),
-            **_to(_serving_agent(worker)),
-        )
+        fields = gangs.gang_fields(job, rank=rank, master_addr=address, gpu_indices=indices.get(worker.pk))
+        worker_events.publish_on_commit(worker.pk, protocol.JOB_SUBMIT, **payload, **fields, **_to(_serving_agent(worker)))
     outbox.emit_on_commit(
         events.DISPATCHED, job_id=job.pk, attempt_number=number, submitted_at=job.submitted_at, dispatched_at=now
     )
     return rank0
+
+
+class _Holding:
+    """The GPUs ``gpu_indices`` a member just placed on a packing worker holds there (what ``packing.room`` counts)."""
+
+    def __init__(self, gpu_indices):
+        self.gpu_indices = gpu_indices
 
 
 def dispatch_gangs(*, actor=SYSTEM):
@@ -528,12 +542,14 @@ def dispatch_for_worker(worker_id, *, actor=SYSTEM, freed=False, beside=False):
         if beside:
             worker = _LOCK_PACKING_WORKER_WAITING.first(pk=str(worker_id))  # waits out a report or heartbeat
             placed = [] if worker is None or worker.drain_requested_at is not None else fill_packing_worker(worker, actor=actor)
+            if worker is not None and worker.multi_node and worker.gpus_free and worker.drain_requested_at is None:
+                _gangs_on_commit()  # the room left may take a member of a multi-node job
             return placed[0] if placed else None
         worker = _LOCK_OFFERED_WORKER.first(pk=str(worker_id))
         job = None if worker is None or worker.drain_requested_at is not None else _offer_locked_worker(worker, actor=actor)
         if job is not None and worker.packs:
             fill_packing_worker(worker, actor=actor)
-        if job is None and worker is not None and worker.multi_node and not worker.packs:
+        if worker is not None and worker.multi_node and (job is None or worker.packs and worker.gpus_free):
             _gangs_on_commit()  # a freed worker takes no multi-node job itself: the gangs are offered the fleet
         if freed and (any_limit_at_dispatch() if worker is None else worker.any_limit):
             transaction.on_commit(functools.partial(dispatch_pending, limited_only=True), robust=True)
@@ -648,9 +664,10 @@ def _offer_on_commit(worker):
 
 
 def worker_holds(worker, job):
-    """Whether locked ``worker`` holds ``job`` (its ``current_job``; on a packing worker, a job on its GPUs)."""
+    """Whether locked ``worker`` holds ``job`` (its ``current_job``; on a packing worker, a job or a gang member on its
+    GPUs: ``packing.holds``)."""
     if worker.packs:
-        return job.worker_id == worker.pk and job.holds_gpus
+        return packing.holds(worker, job)
     return worker.current_job_id == job.pk
 
 
@@ -667,6 +684,8 @@ def worker_jobs_over(*, worker, job_ids, actor, reason, at_once=True):
     packing_workers_recount(workers=[worker], job_ids=job_ids, actor=actor, reason=reason)
     if worker.worker_type == WorkerType.EPHEMERAL or worker.status not in (WorkerStatus.IDLE, WorkerStatus.BUSY):
         return
+    if worker.multi_node and worker.gpus_free and worker.drain_requested_at is None:
+        _gangs_on_commit()  # the room freed may take a member of a queued multi-node job
     if not at_once:
         _offer_on_commit(worker)
         return

@@ -31,7 +31,7 @@ def running_job(worker):
 def running_jobs(worker):
     """Return the active jobs the locked ``worker`` holds (locked): its current job, or a packing worker's jobs."""
     if worker.packs:
-        return [job for job in packing.held_jobs(worker.pk, lock=True) if job.status in JOB_ACTIVE]
+        return [job for job in packing.held_jobs(worker.pk, lock=True) if job.status in JOB_ACTIVE and not gangs.part_over(job)]
     job = lock_job(worker.current_job_id) if worker.current_job_id else None
     if job is not None and gangs.is_gang(job):  # a member of a multi-node job's current attempt holds it too
         return [job] if gangs.live_member(job, worker) is not None else []
@@ -68,7 +68,7 @@ def worker_rotate_token(*, worker_id, actor, force=False, confirmed_job=None):
             reason = f"the token of {worker.name} was rotated"
             gangs.attempt_lost(jobs=jobs, outcome=gangs.MEMBER_LOST, lost_workers=[worker.pk])  # the others stop
             released = jobs_release(jobs=jobs, actor=actor, reason=reason, interrupted_by=ROTATION)
-            if worker.packs:  # every job it held gives its GPUs back (a cancelled one too)
+            if worker.packs:  # every job and gang member it held gives its GPUs back (a cancelled one too)
                 jobs_give_back_gpus(worker_ids=[worker.pk])
             if worker.status in WORKER_TRANSITIONS[WorkerStatus.OFFLINE]:
                 workers_transition(

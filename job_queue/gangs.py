@@ -1,16 +1,22 @@
 """Jobs across machines (gangs): the rules of a multi-node job's members, for the services that write them.
 
 A job with ``num_nodes`` N > 1 is dispatched (``dispatch.dispatch_gang``) only when N distinct available workers whose
-agents run multi-node members (``Worker.multi_node``: ours, never SimpleTuner's released agent) and that do not pack
-can each give it ``gpu_count`` GPUs (the whole worker), all at once in one transaction: the workers are taken in one
-order (their ids) with SKIP LOCKED, and a try that gets fewer than N takes none (its transaction holds them only
-until it ends, a moment later). Each member worker holds the job as its ``current_job`` under its own ``gang_rank``;
-the job's ``worker`` is rank 0's. Each attempt's members are ``GangMember`` rows, all under the attempt's lease.
+agents run multi-node members (``Worker.multi_node``: ours, never SimpleTuner's released agent) can each give it
+``gpu_count`` GPUs, all at once in one transaction: the workers are taken in one order (their ids) with SKIP LOCKED,
+and a try that gets fewer than N takes none (its transaction holds them only until it ends, a moment later). A worker
+that does not pack gives a member the whole worker: it holds the job as its ``current_job`` under its own
+``gang_rank``. A packing worker (job_queue.packing) gives a member ``gpu_count`` of its free GPUs and one of its job
+slots, beside the jobs it runs (the lowest free slots, read under the worker's lock as a packed job's are; a member
+that needs 0 GPUs takes it only while it holds nothing): the member holds them (``GangMember.gpu_indices``,
+``holds_gpus``) and they are sent in its ``job_submit``. The job's ``worker`` is rank 0's. Each attempt's members
+are ``GangMember`` rows, all under the attempt's lease.
 
 The job is ``running`` once every member acknowledged (``acknowledge``), ``completed`` once every member completed
 (``member_completed``). A member that fails or is lost ends the attempt for all (``attempt_lost``): the job is
 requeued as a whole by ``jobs_release`` (one retry), and every other member is told to stop (``job_cancel``); their
-workers stay busy until their agent says it runs the job no more (``stale_member``), so no GPU is given twice.
+workers keep what the member holds (a whole worker busy, a packing worker's GPUs) until their agent says it runs the
+job no more (``stale_member``; for a packing worker, its heartbeat, report or registration without the job), so no
+GPU is given twice.
 """
 
 import random
@@ -23,6 +29,7 @@ from worker_agent import protocol
 from workers import events as worker_events
 from workers.models import Worker, WorkerStatus
 
+from . import packing
 from .models import JOB_ACTIVE, TARGET_WORKER_TYPES, GangMember, Job, labels_match
 from .transitions import jobs_acknowledge
 
@@ -39,19 +46,24 @@ def is_gang(job):
 
 
 def _gang_workers(job):
-    """The workers that may be a member of ``job`` now, as the other rules of dispatch say (idle, no job, a stream
-    open, not draining, of a type its target allows, with its GPUs), whose agent runs multi-node members and does
-    not pack; their labels are matched by the caller."""
+    """The workers that may be a member of ``job`` now, as the other rules of dispatch say (a stream open, not
+    draining, of a type its target allows, whose agent runs multi-node members): one that does not pack idle, with no
+    job and its GPUs; a packing one idle or busy with ``gpu_count`` GPUs free (idle, for a job that needs 0), holding
+    no member of ``job`` still (an attempt before, not yet stopped). Their labels are matched by the caller, and a
+    packing worker's room again under its lock (``take_workers``)."""
+    whole = Q(max_jobs__lte=1, status=WorkerStatus.IDLE, current_job__isnull=True, gpu_count__gte=job.gpu_count)
+    if job.gpu_count:
+        packed = Q(max_jobs__gt=1, status__in=(WorkerStatus.IDLE, WorkerStatus.BUSY), gpus_free__gte=job.gpu_count)
+    else:
+        packed = Q(max_jobs__gt=1, status=WorkerStatus.IDLE)
+    stale = GangMember.objects.filter(job=job, holds_gpus=True, worker__isnull=False).values("worker_id")
     return Worker.objects.filter(
-        status=WorkerStatus.IDLE,
-        current_job__isnull=True,
+        whole | packed,
         stream_id__isnull=False,
         drain_requested_at__isnull=True,
         multi_node=True,
-        max_jobs__lte=1,
         worker_type__in=TARGET_WORKER_TYPES[job.target],
-        gpu_count__gte=job.gpu_count,
-    )
+    ).exclude(pk__in=stale)
 
 
 def matching_ids(job):
@@ -63,14 +75,18 @@ def matching_ids(job):
 
 def take_workers(job):
     """Lock N (``job.num_nodes``) of the workers that may run ``job``'s members, in id order, skipping those another
-    transaction holds; return them (rank 0 first), or None when fewer than N are free now (none is kept)."""
+    transaction holds and the packing ones whose room (read under their lock: ``packing.member_fits``) is gone; return
+    ``(workers, held)``: them (rank 0 first) and ``{packing worker id: what it holds}``, or None when fewer than N are
+    free now (none is kept)."""
     ids = matching_ids(job)
     if len(ids) < job.num_nodes:
         return None
     locked = list(_gang_workers(job).filter(pk__in=ids).select_for_update(skip_locked=True).order_by("pk"))
+    held = packing.held_by([worker.pk for worker in locked if worker.packs])
+    locked = [worker for worker in locked if not worker.packs or packing.member_fits(worker, job, held[worker.pk])]
     if len(locked) < job.num_nodes:
         return None
-    return locked[: job.num_nodes]
+    return locked[: job.num_nodes], held
 
 
 def master_address(worker):
@@ -92,17 +108,26 @@ def master_port(worker, *, avoid=None):
     return random.choice(free) if free else None
 
 
-def members_create(*, job, workers, lease_id):
-    """Record the members of ``job``'s attempt ``lease_id``: ``workers``, rank 0 first."""
+def members_create(*, job, workers, lease_id, gpu_indices):
+    """Record the members of ``job``'s attempt ``lease_id``: ``workers``, rank 0 first; a member on a packing worker
+    holds the GPUs ``gpu_indices`` gives it there (``{worker id: indices}``)."""
     return GangMember.objects.bulk_create(
-        GangMember(job=job, lease_id=lease_id, rank=rank, worker=worker, worker_name=worker.name)
+        GangMember(
+            job=job, lease_id=lease_id, rank=rank, worker=worker, worker_name=worker.name,
+            gpu_indices=gpu_indices.get(worker.pk), holds_gpus=worker.pk in gpu_indices,
+        )
         for rank, worker in enumerate(workers)
     )
 
 
-def gang_fields(job, *, rank, master_addr):
-    """The ``job_submit`` fields (protocol.JobSubmitEvent) that make a member of rank ``rank`` of ``job``'s attempt."""
-    return {"num_nodes": job.num_nodes, "node_rank": rank, "master_addr": master_addr, "master_port": job.master_port}
+def gang_fields(job, *, rank, master_addr, gpu_indices=None):
+    """The ``job_submit`` fields (protocol.JobSubmitEvent) that make a member of rank ``rank`` of ``job``'s attempt;
+    with ``gpu_indices`` (a member on a packing worker) the GPUs it runs on there, as a packed job's payload has
+    them (none for a job that needs 0: it has the whole worker)."""
+    fields = {"num_nodes": job.num_nodes, "node_rank": rank, "master_addr": master_addr, "master_port": job.master_port}
+    if gpu_indices is not None and job.gpu_count:
+        fields["gpu_indices"] = list(gpu_indices)
+    return fields
 
 
 def member_submit_fields(job, worker_id):
@@ -114,7 +139,8 @@ def member_submit_fields(job, worker_id):
     if member is None:
         return None
     rank0 = Worker.objects.filter(pk=job.worker_id).only("advertise_address", "registered_address").first()
-    return gang_fields(job, rank=member.rank, master_addr=master_address(rank0) if rank0 is not None else "")
+    address = master_address(rank0) if rank0 is not None else ""
+    return gang_fields(job, rank=member.rank, master_addr=address, gpu_indices=member.gpu_indices)
 
 
 def live_member(job, worker):
@@ -135,6 +161,16 @@ def stale_member(worker, job):
     """Whether locked ``worker`` holds multi-node ``job`` (its ``current_job``) though it is no live member of the job's
     current attempt: the attempt ended (another member failed or was lost, or it was cancelled) or another runs."""
     return is_gang(job) and live_member(job, worker) is None
+
+
+def part_over(held):
+    """Whether ``held`` (one of a packing worker's ``packing.held_jobs``) is a gang member whose part is over: it has
+    an outcome (completed, told to stop, ...), or its job's current attempt is another one (or none). Such a member
+    keeps its GPUs until its agent says it runs the job no more."""
+    member = getattr(held, "member", None)
+    if member is None:
+        return False
+    return bool(member.outcome) or member.lease_id != held.lease_id or held.status not in JOB_ACTIVE
 
 
 def live_leases(jobs, worker_ids):
@@ -240,7 +276,7 @@ def waiting_reason(job):
     if room >= job.num_nodes:
         return f"{what}; {room} have room now: dispatch pending"
     capable = Worker.objects.filter(
-        Q(multi_node=True) & Q(max_jobs__lte=1), worker_type__in=TARGET_WORKER_TYPES[job.target], gpu_count__gte=job.gpu_count
+        multi_node=True, worker_type__in=TARGET_WORKER_TYPES[job.target], gpu_count__gte=job.gpu_count
     ).values_list("labels", flat=True)
     able = sum(1 for labels in capable if labels_match(job.worker_labels, labels))
     if able < job.num_nodes:

@@ -259,7 +259,13 @@ class GangMember(models.Model):
     rank = models.PositiveIntegerField()
     worker = models.ForeignKey("workers.Worker", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
     worker_name = models.CharField(max_length=128, blank=True, default="")
+    # The GPUs it was given on a packing worker (its slots, allocated as a packed job's are); null on a worker that
+    # does not pack (the whole worker, held as its ``current_job``).
     gpu_indices = models.JSONField(null=True, blank=True)
+    # Whether it holds those GPUs now: from its dispatch until its agent says it runs the job no more (a heartbeat
+    # without it, a report that it is over, a registration without it) or its worker is lost. A member holding them
+    # is one of its packing worker's jobs (job_queue.packing), whatever its outcome.
+    holds_gpus = models.BooleanField(default=False)
     acknowledged_at = models.DateTimeField(null=True, blank=True)
     # "" while it runs; then completed, failed, cancelled or lost (what its worker said, or that it went silent).
     outcome = models.CharField(max_length=16, blank=True, default="")
@@ -268,7 +274,10 @@ class GangMember(models.Model):
     class Meta:
         ordering = ["job", "lease_id", "rank"]
         constraints = [models.UniqueConstraint(fields=["lease_id", "rank"], name="gang_member_rank_unique")]
-        indexes = [models.Index(fields=["worker", "lease_id"], name="gang_member_worker")]
+        indexes = [
+            models.Index(fields=["worker", "lease_id"], name="gang_member_worker"),
+            models.Index(fields=["worker"], condition=models.Q(holds_gpus=True), name="gang_member_holding"),
+        ]
 
     def __str__(self):
         return f"rank {self.rank} of {self.job_id} ({self.lease_id})"

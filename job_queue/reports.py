@@ -151,6 +151,9 @@ def _job_report(*, worker_id, job_id, data, actor, holder_id):
         refusal = None
         if gangs.is_gang(job) and gangs.member_of(job, worker) is None:  # fenced per member of the current attempt
             refusal = (protocol.JOB_NOT_OWNED, f"worker {worker.name} is no member of job {job.pk}'s current attempt; stop it")
+            if target != JobStatus.RUNNING and worker.packs and worker_holds(worker, job):
+                # A member of an attempt that ended, on a packing worker: its agent says it runs the job no more.
+                worker_jobs_over(worker=worker, job_ids=[job.pk], actor=actor, reason=f"job {job.pk} {raw} (attempt over)")
         elif not gangs.is_gang(job) and job.worker_id != worker.pk:
             refusal = (protocol.JOB_NOT_OWNED, f"job {job.pk} is not assigned to worker {worker.name}; stop it")
         elif lease and lease != job.lease_id:

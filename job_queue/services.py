@@ -19,7 +19,7 @@ from workers.models import Worker
 
 from . import gangs
 from .dispatch import dispatch_locked_job
-from .models import JOB_ACTIVE, JOB_RETRYABLE, JOB_TERMINAL, TARGET_WORKER_TYPES, AttemptOutcome, Job, JobStatus, JobTarget
+from .models import JOB_ACTIVE, JOB_RETRYABLE, JOB_TERMINAL, TARGET_WORKER_TYPES, AttemptOutcome, GangMember, Job, JobStatus, JobTarget
 from .transitions import attempts_finish, jobs_transition
 from .usage import quota_check
 
@@ -248,6 +248,8 @@ def job_retry(*, job_id, actor):
         stopping_on = Worker.objects.filter(current_job_id=original.pk).values_list("name", flat=True).first()
         if stopping_on is None and original.holds_gpus:  # still on its packing worker's GPUs
             stopping_on = original.worker_name
+        if stopping_on is None and original.num_nodes > 1:  # a member still on a packing worker's GPUs
+            stopping_on = GangMember.objects.filter(job=original, holds_gpus=True).values_list("worker_name", flat=True).first()
         if stopping_on is not None:
             raise Conflict(
                 f"job {original.pk} is still stopping on worker {stopping_on}; retry it once it has stopped",

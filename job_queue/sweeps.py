@@ -20,7 +20,7 @@ from workers.models import WORKER_TRANSITIONS, Worker, WorkerStatus
 from workers.selectors import servers_heard_silence, servers_silent_reason
 from workers.transitions import workers_free, workers_transition
 
-from . import fairshare, gangs
+from . import fairshare, gangs, packing
 from .dispatch import dispatch_pending, packing_workers_recount
 from .models import JOB_ACTIVE, Job, JobStatus
 from .transitions import jobs_give_back_gpus, jobs_release, operator_interruption
@@ -68,6 +68,9 @@ def sweep_stale_workers(*, now=None, actor=HEALTH):
         worker_ids = [w.pk for w in stale]
         # Their jobs: each one they hold (a multi-node job's members hold it too, whatever their rank).
         members = [w.current_job_id for w in stale if w.current_job_id and w.gang_rank]  # ranks 1 and up
+        packers = [w.pk for w in stale if w.packs]
+        if packers:  # and the gang members on packing workers' GPUs, rank 0 too (job_queue.packing)
+            members += list(packing.holding_members(packers).values_list("job_id", flat=True))
         held = Q(worker_id__in=worker_ids) | Q(pk__in=members) if members else Q(worker_id__in=worker_ids)
         jobs = list(
             Job.objects.select_for_update(skip_locked=True)
@@ -78,12 +81,13 @@ def sweep_stale_workers(*, now=None, actor=HEALTH):
         # A multi-node job is lost only with a live member of its current attempt (its rank 0 may have completed its
         # part and left its worker meanwhile): one read of those members.
         live = gangs.live_leases(jobs, worker_ids)
+        locked = [j.pk for j in jobs]
         jobs = [j for j in jobs if not gangs.is_gang(j) or j.lease_id in live]
         # A worker whose job another transaction holds right now (a cancel, the ack sweep) waits for the
         # next run: taking it offline now would clear its current job and leave that job orphaned.
         held_elsewhere = set(
             Job.objects.filter(worker_id__in=worker_ids, status__in=JOB_ACTIVE)
-            .exclude(pk__in=[j.pk for j in jobs])
+            .exclude(pk__in=locked)
             .order_by()
             .values_list("worker_id", flat=True)
         )
@@ -95,8 +99,8 @@ def sweep_stale_workers(*, now=None, actor=HEALTH):
         workers_transition(
             workers=stale, to=WorkerStatus.OFFLINE, actor=actor, reason=reason, current_job=None, gpus_free=0, now=now
         )
-        packers = [w.pk for w in stale if w.packs]
-        if packers:  # a cancelled job they held (not released below) gives its GPUs back too: one statement
+        packers = [w.pk for w in stale if w.packs]  # (those left)
+        if packers:  # a cancelled job or a stopped gang member they held (not released below) gives its GPUs back
             jobs_give_back_gpus(worker_ids=packers)
         gangs.attempt_lost(jobs=jobs, outcome=gangs.MEMBER_LOST, lost_workers=worker_ids, now=now)
         released = jobs_release(

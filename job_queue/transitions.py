@@ -20,7 +20,7 @@ from common.updates import update_rows
 from worker_agent import protocol
 
 from . import events
-from .models import JOB_ACTIVE, JOB_TERMINAL, JOB_TRANSITIONS, AttemptOutcome, Job, JobAttempt, JobStatus
+from .models import JOB_ACTIVE, JOB_TERMINAL, JOB_TRANSITIONS, AttemptOutcome, GangMember, Job, JobAttempt, JobStatus
 
 # What a job that goes back to the queue forgets of its lost attempt.
 BACK_TO_QUEUE = {"worker": None, "lease_id": None, "dispatched_at": None, "started_at": None, "gpu_indices": None, "holds_gpus": False}
@@ -135,13 +135,18 @@ RECOVERABLE_OUTCOMES = (AttemptOutcome.LOST, AttemptOutcome.UNACKNOWLEDGED, Atte
 def jobs_give_back_gpus(*, job_ids=None, worker_ids=None):
     """The jobs ``job_ids`` (those of them on ``worker_ids``, when both are given), or every job of the packing
     workers ``worker_ids``, hold their GPUs no more (``Job.holds_gpus``; ``gpu_indices`` stays, the record of where
-    they ran): one UPDATE. The caller recounts the workers' ``gpus_free``."""
+    they ran), and neither do their gang members on ``worker_ids`` (``GangMember.holds_gpus``; without ``worker_ids``,
+    every member of ``job_ids``): two UPDATEs. The caller recounts the workers' ``gpus_free``."""
     jobs = Job.objects.filter(holds_gpus=True)
+    members = GangMember.objects.filter(holds_gpus=True)
     if job_ids is not None:
         jobs = jobs.filter(pk__in=list(job_ids))
+        members = members.filter(job_id__in=list(job_ids))
     if worker_ids is not None:
         jobs = jobs.filter(worker_id__in=list(worker_ids))
+        members = members.filter(worker_id__in=list(worker_ids))
     jobs.update(holds_gpus=False)
+    members.update(holds_gpus=False)
 
 
 def recoverable_attempt(*, job, worker, lease_id):

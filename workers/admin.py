@@ -192,7 +192,7 @@ class WorkerAdmin(OperatorPermissionsMixin, ObjectButtonsMixin, LiveChangeListMi
     @admin.display(description="Current job")
     def current_job_display(self, worker):
         if worker.packs and worker.status in (WorkerStatus.BUSY, WorkerStatus.DRAINING):
-            # Its jobs and the GPUs each holds (Job.worker's jobs on its GPUs; this app does not import job_queue).
+            # Its jobs and gang members and the GPUs each holds (workers.selectors.held_jobs).
             jobs = held_jobs(worker)  # one read per busy packing worker shown (a page holds 100 rows at most)
             return format_html_join(
                 mark_safe("<br>"),

@@ -82,13 +82,14 @@ class Worker(models.Model):
     # them (declared on a CPU node, or in tests).
     gpu_slots = models.JSONField(default=list, blank=True)
     gpu_slots_declared = models.BooleanField(default=False)
-    # The GPUs a new job may take on a packing worker now: its slots no job holds, 0 while it runs max_jobs jobs
-    # or a job that takes the whole worker. Kept in each transaction that places a job on it or takes one off;
+    # The GPUs a new job may take on a packing worker now: its slots no job or gang member holds (job_queue.packing),
+    # 0 while it holds max_jobs of them or a job that takes the whole worker. Kept in each transaction that places a job on it or takes one off;
     # always 0 on a worker that does not pack. A dispatch reads it from the index worker_packing_offer.
     gpus_free = models.PositiveIntegerField(default=0)
 
     # The job the worker runs (a worker that does not pack). A member of a multi-node job (job_queue.gangs) holds that
-    # job too, as ``gang_rank`` (0 for any other job): no two workers ever hold one job under the same rank.
+    # job too, as ``gang_rank`` (0 for any other job): no two workers ever hold one job under the same rank. A
+    # packing worker's members are held by their GangMember rows (``holds_gpus``), not here.
     current_job = models.ForeignKey(
         "queue.Job", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )

@@ -2,25 +2,32 @@
 
 from datetime import timedelta
 
-from django.db.models import BooleanField, Count, Exists, ExpressionWrapper, Min, Prefetch, Q
+from django.db.models import BooleanField, Count, Exists, ExpressionWrapper, Min, Q
 
-from .models import ServerPresence, Worker
+from .models import ServerPresence, WorkerStatus
 from .presence import presence_interval
 
 
-def _held(jobs):
-    return jobs.filter(holds_gpus=True).only("pk", "config_name", "worker_id", "gpu_indices").order_by("dispatched_at", "pk")
+# What packing workers hold, ``{worker id: [its jobs on its GPUs, each with the gpu_indices it holds there]}`` for a
+# list of worker ids: its packed jobs and its gang members. The rule lives in ``job_queue.packing.held_by``, above
+# this app (which does not import job_queue); job_queue hands it here once the apps are ready (JobQueueConfig.ready).
+HELD_BY = None
 
 
 def held_jobs(worker):
-    """The jobs on packing ``worker``'s GPUs (``Job.holds_gpus``), through Job.worker's reverse relation (this app
-    does not import job_queue)."""
-    return list(_held(worker.jobs.all()))
+    """The jobs on packing ``worker``'s GPUs, each with the ``gpu_indices`` it holds there (``HELD_BY``)."""
+    return HELD_BY([worker.pk])[worker.pk]
 
 
-def held_jobs_prefetch():
-    """The prefetch of each worker's jobs on its GPUs (a packing worker's) as ``held_jobs``: one read for a list."""
-    return Prefetch("jobs", queryset=_held(Worker._meta.get_field("jobs").related_model.objects.all()), to_attr="held_jobs")
+def held_jobs_attach(workers):
+    """Set ``held_jobs`` on each of ``workers`` that packs and is busy or draining (an idle or offline one holds none):
+    one read for them all (``HELD_BY``); return ``workers``."""
+    holding = [w for w in workers if w.packs and w.status in (WorkerStatus.BUSY, WorkerStatus.DRAINING)]
+    held = HELD_BY([w.pk for w in holding]) if holding else {}
+    for worker in workers:
+        if worker.packs:
+            worker.held_jobs = held.get(worker.pk, [])
+    return workers
 
 
 def servers_silent_reason(*, now, timeout):

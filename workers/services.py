@@ -32,6 +32,7 @@ from .models import (
     hash_token,
     token_display_prefix,
 )
+from .selectors import held_jobs
 from .streams import live_server_processes, newest_stream_id, server_process_id, streams_with, streams_without
 from .presence import presence_interval
 from .transitions import workers_transition
@@ -340,7 +341,7 @@ def worker_delete_refusal(worker, *, now=None):
     a worker whose stream is closed says when the health sweep will take it offline."""
     if worker.status == WorkerStatus.OFFLINE or (worker.status == WorkerStatus.CONNECTING and worker.never_connected):
         return None
-    holds_jobs = worker.current_job_id is not None or (worker.packs and worker.jobs.filter(holds_gpus=True).exists())
+    holds_jobs = worker.current_job_id is not None or (worker.packs and bool(held_jobs(worker)))
     if not holds_jobs and worker_agent_gone(worker):
         return None
     refusal = f"worker {worker.name} is {worker.status}; only an offline worker can be deleted"
@@ -400,8 +401,8 @@ def worker_drain(*, worker_id, actor):
             )
         if worker.status != WorkerStatus.OFFLINE:
             workers_transition(workers=[worker], to=WorkerStatus.DRAINING, actor=actor, reason="drain requested")
-        if worker.max_jobs > 1:  # a packing worker: every job on its GPUs, each of which it finishes (Job.worker's jobs)
-            job_ids = list(worker.jobs.filter(holds_gpus=True).order_by("dispatched_at", "pk").values_list("pk", flat=True))
+        if worker.max_jobs > 1:  # a packing worker: every job and gang member on its GPUs, each of which it finishes
+            job_ids = [job.pk for job in held_jobs(worker)]
             first = job_ids[0] if job_ids else None
             events.publish_on_commit(worker.pk, protocol.DRAIN, current_job_id=first, job_ids=job_ids)
         else:

@@ -6,7 +6,7 @@ connects to it (retrying until ``wait_s``, default 30). Each side sends its rank
 hears every other rank and each other rank hears 0. While the file ``<barrier_dir>/hold`` exists the members then
 wait (a test kills one meanwhile). With ``torch: true`` in the config and torch importable, the members also run a
 ``torch.distributed`` gloo all-reduce of their ranks over the same rendezvous (on MASTER_PORT + 1). Each member
-writes ``<barrier_dir>/<name>-rank<rank>-<pid>.json``: what it was given and what it heard; exit 0 when it heard
+writes ``<barrier_dir>/<name>-rank<rank>-<pid>.json``: what it was given (its ``CUDA_VISIBLE_DEVICES`` too) and what it heard; exit 0 when it heard
 every rank it should, 3 when not. A one-node job (no ``NNODES``) meets no one: it only records and waits.
 """
 
@@ -81,6 +81,7 @@ def main():
         "nodes": nodes,
         "master_addr": addr,
         "master_port": port,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "heard": heard,
         "machine_rank": config.get("machine_rank"),
         "num_machines": config.get("num_machines"),

@@ -130,3 +130,42 @@ def test_two_gangs_and_a_one_node_job_on_three_workers_never_deadlock(server, st
         job = job_in(server, job_id, *TERMINAL, timeout=JOB_DEADLINE_S)
         assert (job["status"], job["attempt_count"]) == ("completed", 1), job
     assert job_in(server, single, *TERMINAL, timeout=JOB_DEADLINE_S)["status"] in ("completed", "failed")
+
+
+def test_a_two_node_job_runs_beside_the_one_gpu_job_each_packing_agent_runs(server, stage, tmp_path):
+    """Two agents with two declared GPUs each (``--gpus 0,1``: they pack), each running a long one-GPU job on GPU 0:
+    a two-node job needing one GPU per node runs beside them, a member on each agent's free GPU, and completes once."""
+    long_barrier, gang_barrier = tmp_path / "long", tmp_path / "gang"
+    long_barrier.mkdir()
+    gang_barrier.mkdir()
+    (long_barrier / "hold").write_text("")  # the one-node jobs run until the test lets them go
+    workers = [stage.worker() for _ in range(2)]
+    args = ["--gpus", "0,1", "--advertise-address", "127.0.0.1", "--command", GANG_TRAINER]
+    agents = stage.start(*workers, extra_args=args)
+    for worker in workers:
+        state = worker_when(server, worker.id, lambda w: w["gpus_free"] == 2)
+        assert state["gpu_count"] == 2, state
+    long = [submit(stage, long_barrier, f"long{n}", num_nodes=1) for n in range(2)]
+    for job_id in long:
+        poll(lambda job_id=job_id: server.job(job_id)["status"] == "running", timeout=30, message=f"job {job_id} to run")
+    placed = {server.job(job_id)["worker_id"]: server.job(job_id)["gpu_indices"] for job_id in long}
+    assert placed == {worker.id: [0] for worker in workers}, placed  # one on each agent, on its GPU 0
+
+    gang = submit(stage, gang_barrier, "beside")
+    job = job_in(server, gang, *TERMINAL, timeout=JOB_DEADLINE_S)
+    assert (job["status"], job["attempt_count"], job["retry_count"]) == ("completed", 1, 0), job
+    assert sorted((m["worker_id"], m["gpu_indices"], m["outcome"]) for m in job["members"]) == sorted(
+        (worker.id, [1], "completed") for worker in workers
+    )
+    for agent in agents:  # each member ran exactly once
+        assert len(agent.lines_matching(f"Job {gang} started")) == 1, agent.describe()
+    seen = sorted(recorded(gang_barrier, "beside"), key=lambda entry: entry["rank"])
+    assert [(e["rank"], e["heard"]) for e in seen] == [(0, [1]), (1, [0])], seen
+    assert [e["cuda_visible_devices"] for e in seen] == ["1", "1"], seen  # each member saw its own free GPU
+    assert [server.job(job_id)["status"] for job_id in long] == ["running", "running"]  # beside them all along
+
+    (long_barrier / "hold").unlink()
+    for job_id in long:
+        assert job_in(server, job_id, *TERMINAL, timeout=JOB_DEADLINE_S)["status"] == "completed"
+    for worker in workers:
+        worker_when(server, worker.id, lambda w: (w["status"], w["gpus_free"], w["running_jobs"]) == ("idle", 2, []))

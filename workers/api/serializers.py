@@ -94,9 +94,9 @@ class WorkerSerializer(ModelSerializer):
         return worker.gpu_count if worker.status == "idle" and worker.current_job_id is None else 0
 
     def get_running_jobs(self, worker) -> list[dict]:
-        """The worker's jobs: its current job (the whole worker), or a packing worker's jobs on their GPUs, read
-        from ``held_jobs`` where the list prefetched them (``workers.selectors.held_jobs_prefetch``), else through Job.worker's
-        reverse relation (this app does not import job_queue)."""
+        """The worker's jobs: its current job (the whole worker), or a packing worker's jobs and gang members on their
+        GPUs, read from ``held_jobs`` where the list attached them (``workers.selectors.held_jobs_attach``), else
+        through ``workers.selectors.held_jobs``."""
         if not worker.packs:
             return [{"job_id": worker.current_job_id, "gpu_indices": None}] if worker.current_job_id else []
         if not hasattr(worker, "held_jobs"):

@@ -18,7 +18,7 @@ from .serializers import (
     WorkerListSerializer,
     WorkerSerializer,
 )
-from ..selectors import held_jobs_prefetch
+from ..selectors import held_jobs_attach
 
 STATUS_FILTER = status_filter_parameter(WorkerStatus.values)
 
@@ -52,10 +52,11 @@ class AdminWorkerListView(AdminWorkerAPIView):
         responses={200: WorkerListSerializer, **error_responses(400, 401, 403)},
     )
     def get(self, request):
-        workers = Worker.objects.prefetch_related(held_jobs_prefetch())  # one read for every packing worker's jobs
+        workers = Worker.objects.all()
         statuses = status_filter(request, WorkerStatus.values)
         if statuses:
             workers = workers.filter(status__in=statuses)
+        workers = held_jobs_attach(list(workers))  # one read for every packing worker's jobs
         return Response({"workers": WorkerSerializer(workers, many=True, context={"request": request}).data})
 
     @extend_schema(
