@@ -53,7 +53,8 @@ does not pack, or among the jobs a packing worker holds; the attempt's ranks are
 0's the job's worker. A worker that does not pack may hold a gang job as its current job when it is a live member of
 its current attempt under that rank, or when it was a member of an attempt of it that ended (stopped or lost, its
 agent not yet saying it runs it no more), busy: it holds the job and its GPUs until then, so nothing is given twice.
-No two workers hold one job under one rank. A packing worker holds a gang member when the member row says so (``holds_gpus``), else when it is a live member.
+No two workers hold one job under one rank. A packing worker holds a gang member when the member row says so
+(``holds_gpus``, where the database has that column), else while it is a live member.
 """
 
 import json
