@@ -22,7 +22,7 @@ from workers.transitions import workers_free, workers_transition
 
 from . import fairshare, gangs, packing
 from .dispatch import dispatch_pending, packing_workers_recount
-from .models import JOB_ACTIVE, Job, JobStatus
+from .models import JOB_ACTIVE, GangMember, Job, JobStatus
 from .transitions import jobs_give_back_gpus, jobs_release, operator_interruption
 
 logger = logging.getLogger(__name__)
@@ -91,6 +91,12 @@ def sweep_stale_workers(*, now=None, actor=HEALTH):
             .order_by()
             .values_list("worker_id", flat=True)
         )
+        if members:  # so does a live member of a multi-node job held elsewhere, whatever its rank (Job.worker is rank 0's)
+            held_elsewhere.update(
+                GangMember.objects.filter(worker_id__in=worker_ids, job_id__in=members, outcome="", job__status__in=JOB_ACTIVE)
+                .exclude(job_id__in=locked)
+                .values_list("worker_id", flat=True)
+            )
         stale = [w for w in stale if w.pk not in held_elsewhere]
         if not stale:
             return nothing
