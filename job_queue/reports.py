@@ -210,6 +210,10 @@ def _apply_report(*, job, worker, raw, target, error, data, actor):
         return {"job_id": job.pk, "status": job.status, "accepted": True}
 
     if job.status in JOB_TERMINAL:
+        if gangs.is_gang(job) and target != JobStatus.RUNNING and owns_worker:
+            # A member told to stop when its attempt ended the job (retries used up): its agent runs it no more.
+            worker_jobs_over(worker=worker, job_ids=[job.pk], actor=actor, reason=f"job {job.pk} {said} (attempt over)")
+            return {"job_id": job.pk, "status": job.status, "accepted": True}
         if job.status == target:
             return {"job_id": job.pk, "status": job.status, "accepted": True}
         raise InvalidTransition(f"job {job.pk} already {job.status}; {raw} refused")

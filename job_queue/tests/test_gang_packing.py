@@ -401,3 +401,31 @@ def test_a_lost_members_worker_whose_gang_job_another_transaction_holds_waits_fo
     gang.refresh_from_db()
     assert gang.status in (JobStatus.QUEUED, JobStatus.DISPATCHED) and gang.lease_id != lease
     assert dict(GangMember.objects.filter(lease_id=lease).values_list("rank", "outcome")) == {0: "stopped", 1: "lost"}
+
+
+def test_a_stopped_members_report_after_the_gang_failed_for_good_gives_its_gpus_back(worker_client, commit):
+    """b's member fails with no retry left: the job fails for good under the attempt's lease, and a's member is told
+    to stop. a's agent then reports its member stopped (under that lease, still current): its GPU is given back at
+    once and offered, as for a requeued gang's member, not refused as a transition of the failed job."""
+    [(a, ca), (b, cb)], packed = _busy_packers(worker_client, commit)
+    gang = JobFactory(num_nodes=2, gpu_count=1, max_retries=0)
+    with commit():
+        dispatch_for_job(gang.pk)
+    gang.refresh_from_db()
+    with commit():
+        _heartbeat(ca, [(packed[0], packed[0].lease_id), (gang, gang.lease_id)])
+        _heartbeat(cb, [(packed[1], packed[1].lease_id), (gang, gang.lease_id)])
+        assert _report(cb, gang, protocol.FAILED, error="NCCL timeout").status_code == 200
+    gang.refresh_from_db()
+    assert gang.status == JobStatus.FAILED and _cancels(a, gang.pk)
+    assert (_free(a), _free(b)) == (0, 1)
+    waiting = JobFactory(gpu_count=1)  # queued for the GPU a's member gives back
+    with commit():
+        stopped = _report(ca, gang, protocol.CANCELLED, error="stopped")
+    assert stopped.status_code == 200, stopped.json()
+    gang.refresh_from_db()
+    assert gang.status == JobStatus.FAILED
+    assert not GangMember.objects.filter(worker=a, holds_gpus=True).exists()
+    waiting.refresh_from_db()
+    assert (waiting.status, waiting.worker_id) in {(JobStatus.DISPATCHED, a.pk), (JobStatus.DISPATCHED, b.pk)}
+    assert _free(a) + _free(b) == 1
