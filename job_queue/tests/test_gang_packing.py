@@ -366,8 +366,9 @@ def test_packed_jobs_and_gangs_dispatched_at_once_never_share_a_gpu(postgres_url
 
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
-def test_a_lost_members_worker_whose_gang_job_another_transaction_holds_waits_for_the_next_sweep(postgres_url):
-    """Packing worker b, rank 1 of a gang whose rank 0 is on a, goes silent while another transaction holds the gang
+@pytest.mark.parametrize("packs", [True, False], ids=["packing", "whole-worker"])
+def test_a_lost_members_worker_whose_gang_job_another_transaction_holds_waits_for_the_next_sweep(postgres_url, packs):
+    """Worker b (packing, or not: a member on its whole worker), rank 1 of a gang whose rank 0 is on a, goes silent while another transaction holds the gang
     job's row (a's heartbeat, a report): the sweep cannot end the attempt now (SKIP LOCKED), so it leaves b as it is
     for its next run, as it does a worker whose own job is held. Taking b offline then would free its GPUs and leave
     the attempt running with a member on a worker nothing watches any more: never lost, never requeued."""
@@ -376,7 +377,8 @@ def test_a_lost_members_worker_whose_gang_job_another_transaction_holds_waits_fo
     from job_queue.services import lock_job
     from job_queue.tests.test_concurrency import DEADLINE_S, holder, run_concurrently
 
-    a, b = sorted((WorkerFactory(gpu_count=2, max_jobs=2, gpu_slots=[0, 1], gpus_free=2, multi_node=True) for _ in range(2)), key=lambda w: w.pk)
+    shape = {"gpu_count": 2, "max_jobs": 2, "gpu_slots": [0, 1], "gpus_free": 2} if packs else {"gpu_count": 1}
+    a, b = sorted((WorkerFactory(multi_node=True, **shape) for _ in range(2)), key=lambda w: w.pk)
     gang = JobFactory(num_nodes=2, gpu_count=1)
     assert dispatch_for_job(gang.pk).pk == a.pk
     gang.refresh_from_db()
@@ -394,7 +396,7 @@ def test_a_lost_members_worker_whose_gang_job_another_transaction_holds_waits_fo
     _, first = run_concurrently([holder(lambda: lock_job(gang.pk), holding, done), sweep])
     assert first["workers"] == 0
     assert Worker.objects.get(pk=b.pk).status == WorkerStatus.BUSY
-    assert GangMember.objects.get(lease_id=lease, worker=b).holds_gpus
+    assert GangMember.objects.get(lease_id=lease, worker=b).holds_gpus if packs else Worker.objects.get(pk=b.pk).current_job_id == gang.pk
     # The row is free again: the next run takes b offline and ends the attempt for every member.
     second = sweep_stale_workers(now=timezone.now())
     assert (second["workers"], second["requeued"]) == (1, 1)
