@@ -264,7 +264,7 @@ class JobRun:
 
     def supervised_command(self):
         """The argv that runs the trainer under its supervisor (which records its exit: supervisor.py)."""
-        return [sys.executable, "-I", SUPERVISOR, "--grace", f"{self.grace:g}", "--", *self.command]
+        return [sys.executable, "-I", SUPERVISOR, "--grace", f"{self.grace:g}", "--agent-pid", str(os.getpid()), "--", *self.command]
 
     def start(self):
         """Prepare and start the trainer; raise OSError (e.g. command not found) if it cannot start.

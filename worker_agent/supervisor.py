@@ -16,9 +16,15 @@ SIGHUP (its parent-death signal); it then stops the trainer (SIGTERM to the grou
 grace period) and records that it did (``stopped_by_supervisor``), so that a trainer killed because
 its agent died is not taken for a trainer that failed.
 
-Run by the agent as ``python -I <this file> --grace S -- COMMAND...``: by path and isolated, so it needs
-nothing but the standard library (this module imports nothing else) wherever the agent is installed.
-Its own messages go to stderr, which is the job's log.
+The parent-death signal can be lost in one window: the agent dies after this process started but before
+its handler is in place. With SIGHUP's default action that kills this process before any trainer starts; but
+an agent started with SIGHUP ignored (``nohup``, some process managers) passes the ignoring on, and the
+signal is dropped. So once its handler is in place the supervisor checks that its parent is still the agent
+(``--agent-pid``); if not, it starts no trainer and records that it stopped it.
+
+Run by the agent as ``python -I <this file> --grace S --agent-pid PID -- COMMAND...``: by path and isolated,
+so it needs nothing but the standard library (this module imports nothing else) wherever the agent is
+installed. Its own messages go to stderr, which is the job's log.
 """
 
 import ctypes
@@ -124,9 +130,10 @@ def settle(job_dir):
 class Supervisor:
     """Run one trainer, stop it if the agent dies, and record how it ended."""
 
-    def __init__(self, command, *, grace, job_dir=".", env=None):
+    def __init__(self, command, *, grace, job_dir=".", env=None, agent_pid=None):
         self.command = list(command)
         self.grace = grace
+        self.agent_pid = agent_pid  # the agent that started this process: its parent while the agent lives
         self.job_dir = Path(job_dir)
         self.env = os.environ if env is None else env
         self.trainer = None
@@ -141,6 +148,13 @@ class Supervisor:
         signal.signal(signal.SIGTERM, _ignore)
         signal.signal(signal.SIGINT, _ignore)
         signal.signal(PARENT_DEATH_SIGNAL, self._parent_died)
+        if self.agent_pid is not None and os.getppid() != self.agent_pid:
+            # The agent died before the handler above was in place, and its parent-death signal is lost
+            # (ignored, as the agent's own SIGHUP was): no trainer may start for an agent that is gone.
+            print("supervisor: the agent is gone before the trainer started; not starting it", file=sys.stderr, flush=True)
+            self.parent_gone = self.stopped = True
+            self._record(-signal.SIGTERM)
+            return -signal.SIGTERM
         try:
             self.trainer = subprocess.Popen(self.command, preexec_fn=parent_death_signal(signal.SIGTERM))
         except OSError as exc:
@@ -225,16 +239,16 @@ def exit_like(code):
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    grace = 30.0
-    if argv[:1] == ["--grace"]:
-        grace = float(argv[1])
+    options = {"--grace": 30.0, "--agent-pid": None}
+    while argv[:1] and argv[0] in options and len(argv) > 1:
+        options[argv[0]] = float(argv[1]) if argv[0] == "--grace" else int(argv[1])
         argv = argv[2:]
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv:
-        print("usage: supervisor.py [--grace SECONDS] -- COMMAND [ARGS...]", file=sys.stderr)
+        print("usage: supervisor.py [--grace SECONDS] [--agent-pid PID] -- COMMAND [ARGS...]", file=sys.stderr)
         return 2
-    exit_like(Supervisor(argv, grace=grace).run())
+    exit_like(Supervisor(argv, grace=options["--grace"], agent_pid=options["--agent-pid"]).run())
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 
@@ -125,6 +126,57 @@ def test_a_trainer_that_ignores_sigterm_after_its_agent_died_is_killed_after_the
     agent, supervisor_pid = agent_with_a_trainer(tmp_path, trainer, grace=0.5)
     record = kill_agent_mid_run(tmp_path, agent, supervisor_pid)
     assert (record["returncode"], record["stopped_by_supervisor"]) == (-signal.SIGKILL, True)
+
+
+def test_a_supervisor_whose_agent_is_gone_before_its_handler_is_in_place_starts_no_trainer(tmp_path):
+    """The agent died while this supervisor was starting, and the parent-death signal was lost: its parent is no
+    longer the agent named by --agent-pid. No trainer starts; the record says the supervisor stopped it."""
+    marker = tmp_path / "trainer-ran"
+    trainer = [sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"]
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that is not this supervisor's parent
+    env = {**os.environ, "SIMPLETUNER_JOB_ID": "j_1", "SIMPLETUNER_ATTEMPT": "a_1"}
+    done = subprocess.run(
+        [sys.executable, "-I", supervisor.__file__, "--grace", "1", "--agent-pid", str(gone.pid), "--", *trainer],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30,
+    )
+    assert done.returncode == -signal.SIGTERM, done.stderr
+    assert "the agent is gone before the trainer started" in done.stderr
+    assert not marker.exists()
+    record = supervisor.exit_record(tmp_path)
+    assert (record["returncode"], record["stopped_by_supervisor"], record["attempt"]) == (-signal.SIGTERM, True, "a_1")
+
+
+AGENT_IGNORING_SIGHUP = """
+import os, signal, sys, time
+from worker_agent.runner import JobRun
+signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup: the supervisor inherits it
+run = JobRun(job_id="j_1", attempt="a_1", config={}, dataloader=None, work_dir=sys.argv[1],
+             command=[sys.executable, sys.argv[2]], on_exit=lambda r: None, grace=5.0)
+run.start()
+os._exit(0)  # gone before the supervisor (still starting Python) has its handler in place
+"""
+
+
+def test_an_agent_with_sighup_ignored_that_dies_as_its_supervisor_starts_leaves_no_trainer_running(tmp_path):
+    """Seen end to end (a gang member's trainer that outlived its agent's kill -9 and ran on): the agent ignored
+    SIGHUP (nohup), so its death while the supervisor was starting sent a signal nobody heard."""
+    marker = tmp_path / "trainer-ran"
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(f"import time\ntime.sleep(0.5)\nopen({str(marker)!r}, 'w').close()\n")
+    agent = subprocess.run(
+        [sys.executable, "-c", AGENT_IGNORING_SIGHUP, str(tmp_path / "jobs"), str(trainer)],
+        cwd=os.getcwd(), env={**os.environ, "PYTHONPATH": os.getcwd()}, timeout=30,
+    )
+    assert agent.returncode == 0
+    job_dir = tmp_path / "jobs" / "j_1"
+    wait_until(lambda: supervisor.exit_record(job_dir) is not None, timeout=15)
+    time.sleep(1.0)  # a trainer, had it started, would have written its marker by now
+    assert not marker.exists()
+    record = supervisor.exit_record(job_dir)
+    assert (record["returncode"], record["stopped_by_supervisor"]) == (-signal.SIGTERM, True)
+    # A restarted agent: nothing to report (the orchestrator requeues the job), the record settled.
+    assert journal.recover_exits(tmp_path / "jobs") == []
 
 
 def test_a_trainer_that_completed_before_its_agent_died_is_recorded_as_completed(tmp_path):
