@@ -22,12 +22,12 @@ GPU is given twice.
 import random
 
 from django.conf import settings
-from django.db.models import Q
+from django.db.models import F, Q
 from django.utils import timezone
 
 from worker_agent import protocol
 from workers import events as worker_events
-from workers.models import Worker, WorkerStatus
+from workers.models import Worker, WorkerStatus, WorkerType
 
 from . import packing
 from .models import JOB_ACTIVE, TARGET_WORKER_TYPES, GangMember, Job, labels_match
@@ -49,8 +49,10 @@ def _gang_workers(job):
     """The workers that may be a member of ``job`` now, as the other rules of dispatch say (a stream open, not
     draining, of a type its target allows, whose agent runs multi-node members): one that does not pack idle, with no
     job and its GPUs; a packing one idle or busy with ``gpu_count`` GPUs free (idle, for a job that needs 0), holding
-    no member of ``job`` still (an attempt before, not yet stopped). Their labels are matched by the caller, and a
-    packing worker's room again under its lock (``take_workers``)."""
+    no member of ``job`` still (an attempt before, not yet stopped); not an ephemeral one that has finished a job on
+    its stream (it is leaving: like a freed ephemeral worker, it gets another job only by asking, and a queued gang
+    is no job it may ask for). Their labels are matched by the caller, and a packing worker's room again under its
+    lock (``take_workers``)."""
     whole = Q(max_jobs__lte=1, status=WorkerStatus.IDLE, current_job__isnull=True, gpu_count__gte=job.gpu_count)
     if job.gpu_count:
         packed = Q(max_jobs__gt=1, status__in=(WorkerStatus.IDLE, WorkerStatus.BUSY), gpus_free__gte=job.gpu_count)
@@ -63,7 +65,10 @@ def _gang_workers(job):
         drain_requested_at__isnull=True,
         multi_node=True,
         worker_type__in=TARGET_WORKER_TYPES[job.target],
-    ).exclude(pk__in=stale)
+    ).exclude(pk__in=stale).exclude(
+        worker_type=WorkerType.EPHEMERAL, last_job_finished_at__isnull=False,
+        stream_opened_at__isnull=False, last_job_finished_at__gte=F("stream_opened_at"),
+    )
 
 
 def matching_ids(job):

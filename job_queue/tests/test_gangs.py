@@ -146,6 +146,25 @@ def test_a_gang_short_of_workers_takes_none_and_says_what_it_waits_for(worker_cl
     assert reason == "needs 2 workers with ≥ 1 free GPU matching gpu_type=a100*; 1 has room now", reason
 
 
+def test_an_ephemeral_worker_that_finished_a_job_on_its_stream_is_no_member_it_is_leaving(worker_client, commit):
+    """The soak's finding D: a gang took an ephemeral worker between its agent's last report and its disconnect,
+    and the attempt died 20-50 ms later. A freed ephemeral worker is offered nothing (it asks, or leaves); nor is it
+    a member. A fresh ephemeral agent (its stream opened after that job) is one again."""
+    (a, _), (b, _) = _fleet(worker_client, commit, 2, worker_type="ephemeral")
+    now = timezone.now()
+    Worker.objects.filter(pk=b.pk).update(last_job_finished_at=now, stream_opened_at=now - timedelta(seconds=30))
+    job = JobFactory(num_nodes=2, gpu_count=0)
+    with commit():
+        assert dispatch_for_job(job.pk) is None
+    job.refresh_from_db()
+    assert job.status == JobStatus.QUEUED and GangMember.objects.count() == 0
+
+    Worker.objects.filter(pk=b.pk).update(stream_opened_at=now + timedelta(seconds=1))  # a new agent's stream
+    with commit():
+        assert dispatch_for_job(job.pk) is not None
+    assert set(GangMember.objects.values_list("worker_id", flat=True)) == {a.pk, b.pk}
+
+
 def test_a_one_node_job_is_never_given_to_a_gang_and_a_freed_worker_offers_the_gangs(worker_client, commit):
     (a, a_client), (b, _) = _fleet(worker_client, commit, 2)
     single = JobFactory(gpu_count=1)
