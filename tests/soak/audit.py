@@ -5,7 +5,13 @@ Pure functions over plain rows, so the rules are tested without a fleet (``test_
 - **lost**: a submitted job that did not end ``completed``, nor ``failed`` with a reason (``last_error``):
   still queued, dispatched or running, cancelled (the soak never cancels), failed without a reason, or
   missing from the database.
-- **completed twice**: a job id with more than one line in the ledger (its trainer ran to the end twice).
+- **completed twice**: a job id with more than one line in the ledger (its trainer ran to the end twice), except
+  a **late duplicate** (C, by design, counted apart): lines of distinct attempts, one of them the attempt the
+  database completed, every other ended by the orchestrator without its worker's word (``TAKEN_BACK``: declared
+  lost, never acknowledged, interrupted, superseded). That is a trainer that completed while its agent was down
+  longer than the heartbeat timeout, whose result arrived after another attempt had completed the job: the
+  orchestrator kept one result and refused the other. Each attempt ran once, which is the issue's rule ("no member
+  of an attempt ever runs twice"); what is never allowed is one attempt run twice, or two results accepted.
 - **inconsistent**: a completed job without exactly one ledger line, or whose ledger line is not the
   attempt the database says completed (or that has not exactly one completed attempt); a job that is not
   completed although a trainer of it completed; a job failed because its agent would not start it where the
@@ -78,6 +84,7 @@ class AuditResult:
     ledger_lines: int
     lost: list = field(default_factory=list)  # (job_id, why)
     twice: list = field(default_factory=list)  # (job_id, number of ledger lines)
+    late_duplicates: list = field(default_factory=list)  # (job_id, why): C, by design (the module's rules)
     inconsistent: list = field(default_factory=list)  # (subject, why)
     gangs: dict = field(default_factory=dict)  # the multi-node jobs' figures (gang_figures)
 
@@ -132,6 +139,7 @@ def audit(
     open_runs=(),
     bad_runs_lines=(),
     members=(),
+    attempt_outcomes=None,
 ):
     """Return the AuditResult of one soak.
 
@@ -148,7 +156,8 @@ def audit(
     ``bad_runs_lines``, the runs file's lines that are not one. ``members``: the ``GangMember`` rows of the soak's
     jobs, each ``{"job_id", "lease_id", "rank", "worker_id", "gpu_indices", "outcome"}`` (and ``holds_gpus``
     where the database has it); a job row's ``num_nodes`` (absent: 1) and ``lease_id`` say which jobs are gangs
-    and which attempt is current (``gang_findings``, ``placement_findings``).
+    and which attempt is current (``gang_findings``, ``placement_findings``). ``attempt_outcomes``: ``{lease id:
+    outcome}`` of every attempt, which tells a late duplicate from a job completed twice (None: none is one).
     """
     submitted_ids = list(submitted_ids)
     result = AuditResult(
@@ -179,9 +188,15 @@ def audit(
         else:
             result.lost.append((job_id, f"{job['status']} at the end"))
 
-    for job_id, records in lines_of.items():
+    for job_id, records in list(lines_of.items()):
         if len(records) > 1 and job_id not in gang_ids:  # a gang's member lines: gang_findings
-            result.twice.append((job_id, len(records)))
+            kept = late_duplicate(jobs.get(job_id), records, completed_attempts.get(job_id, []), attempt_outcomes)
+            if kept is None:
+                result.twice.append((job_id, len(records)))
+                continue
+            others = ", ".join(f"{r.get('attempt')} ({attempt_outcomes[r.get('attempt')]})" for r in records if r is not kept)
+            result.late_duplicates.append((job_id, f"completed by {kept.get('attempt')}; also ran to the end: {others}"))
+            lines_of[job_id] = [kept]  # the result the orchestrator kept: checked below as any completion
     starts = [*runs, *open_runs]
     result.twice.extend(runs_twice(starts))
 
@@ -238,6 +253,23 @@ def audit(
         result.inconsistent.append(("trainer", f"trainer still running after the drain: {trainer}"))
     result.gangs = gang_figures(jobs, ledger, starts, members)
     return result
+
+
+TAKEN_BACK = frozenset({"lost", "unacknowledged", "interrupted", "superseded"})
+
+
+def late_duplicate(job, records, completed_leases, attempt_outcomes):
+    """Return the ledger record the orchestrator kept when one-node ``job``'s ledger ``records`` (two or more) are
+    a late duplicate (C: the module's rules), else None: distinct attempts, the job completed by exactly one of
+    them, every other taken back by the orchestrator (``TAKEN_BACK``)."""
+    if job is None or job["status"] != "completed" or attempt_outcomes is None or len(completed_leases) != 1:
+        return None
+    attempts = [record.get("attempt") for record in records]
+    if len(set(attempts)) != len(attempts) or completed_leases[0] not in attempts:
+        return None
+    if any(attempt_outcomes.get(lease) not in TAKEN_BACK for lease in attempts if lease != completed_leases[0]):
+        return None
+    return records[attempts.index(completed_leases[0])]
 
 
 def is_gang(job):

@@ -563,6 +563,7 @@ class Soak:
             # What its trainer must have seen: the GPUs it was given; nothing for a job given the whole worker.
             placed = gpu_indices is not None and job is not None and job["gpu_count"]
             attempt_gpus[lease] = ",".join(str(index) for index in gpu_indices) if placed else None
+        outcomes = dict(self.db.execute("SELECT lease_id, outcome FROM queue_jobattempt"))
         records, bad = parse_ledger(self.ledger.read_text() if self.ledger.exists() else "")
         self.placed_trainers = sum(1 for record in records if record.get("cuda_visible_devices"))
         run_records, bad_runs = parse_ledger(self.runs.read_text() if self.runs.exists() else "")
@@ -585,6 +586,7 @@ class Soak:
             open_runs=self.open_runs,
             bad_runs_lines=bad_runs,
             members=self.members,
+            attempt_outcomes=outcomes,
         )
         # Completions that survived their agent: reported from its journal after a restart (to a job still
         # running there, or late, to a job requeued meanwhile), and late completions of lost attempts.
@@ -775,6 +777,7 @@ def print_summary(args, soak, result, recovered, wall):
         *((f"most trainers run at once: {name}", n) for name, n in sorted(soak.most_running.items())),
         ("LOST", len(result.lost)),
         ("COMPLETED TWICE", len(result.twice)),
+        ("late duplicates (C, by design: one result kept)", len(result.late_duplicates)),
         ("INCONSISTENT", len(result.inconsistent)),
         *((f"kills: {kind}", soak.kills.get(kind, 0)) for kind in (AGENT_KILL9, AGENT_SIGTERM, ORCHESTRATOR_KILL9)),
         *recovered.items(),
@@ -791,7 +794,10 @@ def print_summary(args, soak, result, recovered, wall):
         print(f"  failed x {n}: {reason}")
     for label, n in sorted(soak.events.items()):
         print(f"  note x {n}: {label}")
-    findings_by_title = (("lost", result.lost), ("completed twice", result.twice), ("inconsistent", result.inconsistent))
+    findings_by_title = (
+        ("lost", result.lost), ("completed twice", result.twice), ("inconsistent", result.inconsistent),
+        ("late duplicate (C)", result.late_duplicates),
+    )
     for title, findings in findings_by_title:
         for subject, why in findings[:50]:
             print(f"  {title}: {subject}: {why}")

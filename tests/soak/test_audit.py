@@ -45,6 +45,33 @@ def test_two_ledger_lines_are_completed_twice_and_inconsistent():
     assert not result.passed
 
 
+def test_a_late_duplicate_is_counted_apart_when_the_other_attempt_was_taken_back_without_its_workers_word():
+    """C, by design: attempt a_1 completed while its agent was down; the orchestrator declared it lost, a_2
+    completed the job, and a_1's result, arriving late, was refused. Each attempt ran once: not completed twice."""
+    ledger = [line("j_a", "a_1"), line("j_a", "a_2")]
+    for taken_back in ("lost", "unacknowledged", "interrupted", "superseded"):
+        result = run({"j_a": job("completed")}, ledger=ledger, completed={"j_a": ["a_2"]},
+                     attempt_outcomes={"a_1": taken_back, "a_2": "completed"})
+        assert (result.twice, result.inconsistent) == ([], []), taken_back
+        assert result.late_duplicates == [("j_a", f"completed by a_2; also ran to the end: a_1 ({taken_back})")]
+        assert result.passed
+
+
+def test_two_results_accepted_or_one_attempt_run_twice_are_never_a_late_duplicate():
+    two = [line("j_a", "a_1"), line("j_a", "a_2")]
+    cases = [
+        (two, {"j_a": ["a_1", "a_2"]}, {"a_1": "completed", "a_2": "completed"}),  # both accepted
+        (two, {"j_a": ["a_2"]}, {"a_1": "failed", "a_2": "completed"}),  # a_1 ended by its worker's word
+        ([line("j_a", "a_2"), line("j_a", "a_2")], {"j_a": ["a_2"]}, {"a_2": "completed"}),  # one attempt twice
+        (two, {"j_a": ["a_3"]}, {"a_1": "lost", "a_2": "lost", "a_3": "completed"}),  # the kept result not among them
+    ]
+    for ledger, completed, outcomes in cases:
+        result = run({"j_a": job("completed")}, ledger=ledger, completed=completed, attempt_outcomes=outcomes)
+        assert result.twice == [("j_a", 2)] and result.late_duplicates == [] and not result.passed, (completed, outcomes)
+    unknown = run({"j_a": job("completed")}, ledger=two, completed={"j_a": ["a_2"]})  # no outcomes given: strict
+    assert unknown.twice == [("j_a", 2)]
+
+
 def test_a_completed_job_needs_its_one_ledger_line_from_the_completed_attempt():
     missing = run({"j_a": job("completed")}, completed={"j_a": ["a_1"]})
     assert missing.inconsistent == [("j_a", "completed with 0 ledger lines")]
