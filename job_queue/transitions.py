@@ -155,12 +155,14 @@ def recoverable_attempt(*, job, worker, lease_id):
     That is: the attempt was taken back without its worker's word (lost, or never acknowledged) and
     the job has not finished since: it waits in the queue, or another attempt runs it, which the late
     completion supersedes (``jobs_recover_completion``). Or that loss was the job's end: it failed for
-    good with its retries used up, and no attempt has run it since (its lease is still the lost one's).
+    good with its retries used up, no attempt has run it since (its lease is still the lost one's), and no
+    operator has retried it (the retry, a new job, runs the training again: this result is refused).
     """
     if not lease_id:
         return None
     if job.status == JobStatus.FAILED:  # failed by this attempt's loss alone, with no retry left
-        outcomes = (AttemptOutcome.LOST,) if lease_id == job.lease_id else ()
+        retried = lease_id == job.lease_id and job.retries.exists()
+        outcomes = (AttemptOutcome.LOST,) if lease_id == job.lease_id and not retried else ()
     elif job.status in JOB_TERMINAL or lease_id == job.lease_id:
         return None
     else:

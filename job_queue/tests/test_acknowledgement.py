@@ -295,7 +295,8 @@ def test_a_late_completion_of_the_attempt_whose_loss_failed_the_job_completes_it
 
 def test_a_job_failed_by_its_trainer_or_by_another_workers_word_stays_failed(worker_client, settings):
     """Only a failure the loss alone caused is undone by a completion: not the trainer's own failure report, nor
-    by a completion claimed by a worker that did not run the attempt. A late failure agrees with it."""
+    by a completion claimed by a worker that did not run the attempt, nor once an operator retried the job (the
+    retry runs it again). A late failure agrees with it."""
     worker, other = WorkerFactory(name="ran-it"), WorkerFactory(name="other")
     lost = _failed_by_its_loss(worker, settings)
     lease = lost.lease_id
@@ -304,6 +305,18 @@ def test_a_job_failed_by_its_trainer_or_by_another_workers_word_stays_failed(wor
     lost = _reload(lost)
     assert (lost.status, lost.retry_count) == (JobStatus.FAILED, 1)
     assert JobAttempt.objects.get(job=lost).outcome == AttemptOutcome.LOST
+
+    retried = _failed_by_its_loss(WorkerFactory(name="retried"), settings)
+    from audit.services import Actor
+    from job_queue.services import job_retry
+
+    again, _ = job_retry(job_id=retried.pk, actor=Actor.system("operator"))  # the operator runs it again: a new job
+    response = worker_client(retried.worker).post(
+        _status_path(retried), {"status": "completed", "attempt": retried.lease_id}, format="json"
+    )
+    assert response.status_code == 409
+    assert _reload(retried).status == JobStatus.FAILED
+    assert _reload(again).status in (JobStatus.QUEUED, JobStatus.DISPATCHED)  # the retry runs it
 
     ran = job_on_worker(WorkerFactory(name="trainer-failed"), status=JobStatus.RUNNING, max_retries=0)
     client = worker_client(ran.worker)
